@@ -1,0 +1,135 @@
+"""The page hash chain.
+
+Each full page of ``page_size`` tokens is named by
+``sha256(prior_digest + tokens as uint32 little-endian)``, where ``prior_digest`` is the raw
+32-byte digest of the previous page (absent for a chain's first page unless a namespace seed is
+given). Names are lowercase hex. A trailing partial page has no name. Because every page's name
+depends on all pages before it, two requests share a page name exactly when they share the whole
+prefix up to and including that page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+_U32 = "I" if array("I").itemsize == 4 else "L"
+_NAMESPACE_TAG = b"sglang-cache-namespace-v1"
+
+
+class TokenRangeError(ValueError):
+    """A token id is not an int in ``0 .. 2**32 - 1``."""
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    try:
+        packed = array(_U32, tokens)
+    except (OverflowError, TypeError) as err:
+        bad = next(
+            (i, t) for i, t in enumerate(tokens)
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= 0xFFFFFFFF
+        )
+        raise TokenRangeError(
+            f"token id {bad[1]!r} at position {bad[0]} is not an int in 0..2**32-1"
+        ) from err
+    if any(isinstance(t, bool) for t in tokens):
+        i = next(i for i, t in enumerate(tokens) if isinstance(t, bool))
+        raise TokenRangeError(f"token id {tokens[i]!r} at position {i} is a bool, not an int")
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _digest(prior_hex: str | None) -> bytes:
+    if prior_hex is None:
+        return b""
+    if not isinstance(prior_hex, str) or len(prior_hex) != 64:
+        raise ValueError(f"prior hash must be 64 lowercase hex characters, got {prior_hex!r}")
+    try:
+        return bytes.fromhex(prior_hex)
+    except ValueError as err:
+        raise ValueError(f"prior hash is not hex: {prior_hex!r}") from err
+
+
+def hash_page(tokens: Sequence[int], prior_hash: str | None = None) -> str:
+    """Name one page.
+
+    Args:
+        tokens: the page's token ids.
+        prior_hash: hex name of the previous page, or the namespace seed, or None.
+    Returns:
+        The page's lowercase hex name.
+    Raises:
+        TokenRangeError: a token id is not an int in 0..2**32-1.
+        ValueError: ``prior_hash`` is not 64 hex characters.
+    """
+    return hashlib.sha256(_digest(prior_hash) + _pack(tokens)).hexdigest()
+
+
+def page_hashes(
+    tokens: Sequence[int], page_size: int, prior_hash: str | None = None
+) -> list[str]:
+    """Name every full page of ``tokens``, continuing the chain from ``prior_hash``.
+
+    Args:
+        tokens: token ids; a trailing partial page is ignored.
+        page_size: tokens per page, >= 1.
+        prior_hash: tail of the chain to extend (hex), the namespace seed, or None.
+    Returns:
+        One hex name per full page, in order.
+    Raises:
+        TokenRangeError: a token id in a full page is not an int in 0..2**32-1.
+        ValueError: ``page_size`` < 1 or ``prior_hash`` malformed.
+    """
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    n_pages = len(tokens) // page_size
+    if n_pages == 0:
+        _digest(prior_hash)
+        return []
+    data = memoryview(_pack(tokens[: n_pages * page_size]))
+    step = 4 * page_size
+    prior = _digest(prior_hash)
+    sha256 = hashlib.sha256
+    names = []
+    for off in range(0, n_pages * step, step):
+        h = sha256(prior)
+        h.update(data[off : off + step])
+        prior = h.digest()
+        names.append(prior.hex())
+    return names
+
+
+def extend_chain(
+    tail_hash: str | None, tokens: Sequence[int], page_size: int
+) -> tuple[list[str], str | None]:
+    """Extend a chain from its tail without rehashing earlier pages.
+
+    Returns:
+        ``(new page names, new tail)``; the tail is unchanged when ``tokens`` holds no full page.
+    """
+    names = page_hashes(tokens, page_size, tail_hash)
+    return names, (names[-1] if names else tail_hash)
+
+
+def namespace_seed(extra_key: str | None = None, cache_salt: str | None = None) -> str | None:
+    """The prior hash of every first page in a namespace (LoRA adapter, cache salt).
+
+    ``sha256(b"sglang-cache-namespace-v1" + field(extra_key) + field(cache_salt))`` where an
+    absent field is ``b"\\x00"`` and a present one ``b"\\x01" + len(utf8) as u64 LE + utf8``.
+    Returns None when both are absent, so un-namespaced chains are unchanged.
+    """
+    if extra_key is None and cache_salt is None:
+        return None
+    h = hashlib.sha256(_NAMESPACE_TAG)
+    for field in (extra_key, cache_salt):
+        if field is None:
+            h.update(b"\x00")
+            continue
+        if not isinstance(field, str):
+            raise TypeError(f"namespace fields must be str or None, got {type(field).__name__}")
+        raw = field.encode("utf-8")
+        h.update(b"\x01" + len(raw).to_bytes(8, "little") + raw)
+    return h.hexdigest()

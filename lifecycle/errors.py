@@ -1,0 +1,49 @@
+"""One error hierarchy. Every refused call raises before it changes anything."""
+
+from __future__ import annotations
+
+from transitions import MachineError
+
+
+class LifecycleError(Exception):
+    """Base of every error the lifecycle raises."""
+
+
+class InvalidTransition(LifecycleError, MachineError):
+    """An event that the request's state (or its copies in flight) does not allow.
+
+    Attributes:
+        rid: the request's id (``None`` when it has none).
+        trigger: the event refused (``offload``, ``release``, ...).
+        state: the state name the request was in, or ``"UNSEEN"``.
+        reason: why it was refused.
+    """
+
+    def __init__(self, rid: object, trigger: str, state: str, reason: str) -> None:
+        self.rid, self.trigger, self.state, self.reason = rid, trigger, state, reason
+        message = f"request {rid!r}: cannot {trigger!r} in state {state}: {reason}"
+        MachineError.__init__(self, message)
+        Exception.__init__(self, message)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class InvalidRequest(LifecycleError, ValueError):
+    """The request object is malformed (no row, inconsistent lengths, wrong types)."""
+
+
+class ConfigError(LifecycleError, ValueError):
+    """The manager was configured with impossible values (page size, stride)."""
+
+
+class UnknownCompletion(LifecycleError):
+    """The offloader reported an ack or op id the manager never issued (or already settled)."""
+
+
+class IntegrityError(LifecycleError):
+    """The manager's tables disagree; raised by ``check_integrity``."""
+
+
+class ManagerClosed(LifecycleError):
+    """A call after ``shutdown``."""

@@ -1,0 +1,569 @@
+"""``DecodeOffloadManager``: the scheduler-facing lifecycle of a decode node's KV cache.
+
+A drop-in for SGLang 0.5.19's ``DecodeKVCacheOffloadManager``. The scheduler calls it; it decides
+and records; the ``Offloader`` it was given moves the bytes. Every state change goes through the
+module-level machine (``lifecycle.machine``); the per-step fast path fires nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections import deque
+
+import msgspec
+import structlog
+import torch
+
+from hashing import page_hashes
+from lifecycle import audit
+from lifecycle.errors import (
+    ConfigError,
+    IntegrityError,
+    InvalidRequest,
+    InvalidTransition,
+    LifecycleError,
+    ManagerClosed,
+    UnknownCompletion,
+)
+from lifecycle.machine import EVENTS
+from lifecycle.records import (
+    Chunk,
+    OffloadedState,
+    Record,
+    RecordView,
+    Stats,
+    StorageOp,
+)
+from lifecycle.states import State
+
+_PREFILLED, _OFFLOADING, _INFLIGHT = State.PREFILLED, State.OFFLOADING, State.INFLIGHT
+_FINISHED, _RELEASED = State.FINISHED, State.RELEASED
+_OFFLOADER_METHODS = ("write", "finished_writes", "write_storage", "finished_storage", "free_host")
+
+
+def _positive_int(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+class DecodeOffloadManager:
+    """Offload decode KV page by page, release every slot exactly once, never under a copy.
+
+    Args:
+        req_to_token_pool: has ``.req_to_token`` (2-D int tensor ``[rows, max_len]``) and
+            ``.free(req)`` which frees ``req``'s row.
+        token_to_kv_pool_allocator: has ``.free(indices)``; a paged allocator frees the pages the
+            slots lie on (its ``page_size`` attribute, when present, aligns the over-allocation).
+        page_size: tokens per page (the hash chain's page).
+        offloader: a ``transfer.Offloader``.
+        offload_stride: tokens per chunk; None means ``page_size``, else a positive page multiple.
+        namespace_seed: optional prior hash (64 hex) of every request's first page.
+        tp_group: optional ``torch.distributed`` group; ranks agree on completion counts.
+        clock: time source for latencies in the audit log.
+    Raises:
+        ConfigError: bad page size, stride, seed, or pools/offloader missing required methods.
+    """
+
+    def __init__(
+        self,
+        req_to_token_pool,
+        token_to_kv_pool_allocator,
+        page_size: int = 16,
+        offloader=None,
+        offload_stride: int | None = None,
+        namespace_seed: str | None = None,
+        tp_group=None,
+        *,
+        clock=time.monotonic,
+    ) -> None:
+        self.page_size = _positive_int(page_size, "page_size")
+        stride = page_size if offload_stride is None else _positive_int(offload_stride, "offload_stride")
+        if stride % page_size:
+            raise ConfigError(f"offload_stride {stride} is not a multiple of page_size {page_size}")
+        self.offload_stride = stride
+        if namespace_seed is not None:
+            try:
+                page_hashes([], 1, namespace_seed)
+            except ValueError as err:
+                raise ConfigError(f"namespace_seed: {err}") from None
+        self.namespace_seed = namespace_seed
+        rows = getattr(req_to_token_pool, "req_to_token", None)
+        if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+            raise ConfigError("req_to_token_pool.req_to_token must be a 2-D tensor")
+        if not callable(getattr(req_to_token_pool, "free", None)):
+            raise ConfigError("req_to_token_pool has no free(req)")
+        if not callable(getattr(token_to_kv_pool_allocator, "free", None)):
+            raise ConfigError("token_to_kv_pool_allocator has no free(indices)")
+        if offloader is None:
+            offloader = _default_offloader(token_to_kv_pool_allocator, page_size)
+        missing = [m for m in _OFFLOADER_METHODS if not callable(getattr(offloader, m, None))]
+        if missing:
+            raise ConfigError(f"offloader lacks {', '.join(missing)}")
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.offloader = offloader
+        self.tp_group = tp_group
+        self._alloc_page = getattr(token_to_kv_pool_allocator, "page_size", None) or 1
+        self._clock = clock
+        self._log = structlog.get_logger("lifecycle")
+
+        self._records: dict[int, Record] = {}
+        self._dropped: deque = deque()
+        self._ongoing: dict[int, Chunk] = {}
+        self._storage_ops: dict[int, StorageOp] = {}
+        self._landed: deque[int] = deque()
+        self._stored: deque[int] = deque()
+        self._ack_ids = itertools.count(1)
+        self._by_state = dict.fromkeys(State, 0)
+        self._released = self._leaked = self._host_short = 0
+        self._chunks = self._pages = self._chunks_landed = self._storage_finished = 0
+        self._closed = False
+        self._fire = {name: event.trigger for name, event in EVENTS.items()}
+
+    # --- the scheduler's calls -------------------------------------------------------------------
+
+    def offload_kv_cache(self, req) -> bool:
+        """Enqueue the request's next full chunk of KV, if any. Call after every decode step.
+
+        Returns:
+            True when a chunk was enqueued; False when there is no full chunk yet, the request has
+            no row or no output, or host memory is short.
+        Raises:
+            InvalidTransition: the request was finalized or released.
+            ManagerClosed: after ``shutdown``.
+        """
+        rec = self._records.get(id(req))
+        if rec is None or rec.ref() is not req:
+            rec = self._first_sight(req)
+            if rec is None:
+                return False
+        state = rec.state
+        if state is not _PREFILLED and state is not _INFLIGHT:
+            self._refuse(rec, "offload", "the request was finalized or released")
+        n_out = len(req.output_ids)
+        if n_out == 0:
+            return False
+        rec.slots = req.kv.kv_allocated_len
+        n_in = len(req.origin_input_ids)
+        new = n_in - n_in % self.page_size
+        new = n_in + n_out - 1 - new - rec.offload.inc_len
+        if new < self.offload_stride:
+            return False
+        before = rec.offload.inc_len
+        self._fire["offload"](rec, mgr=self, req=req, n=new - new % self.offload_stride)
+        return rec.offload.inc_len != before
+
+    def check_offload_progress(self) -> None:
+        """Settle landed copies and finished storage ops; release finished requests. Never blocks.
+
+        Raises:
+            UnknownCompletion: the offloader reported an id never issued (after settling the rest).
+        """
+        self._check_open()
+        self._drain_dropped()
+        self._landed.extend(self.offloader.finished_writes())
+        self._stored.extend(self.offloader.finished_storage())
+        n_writes, n_stored = len(self._landed), len(self._stored)
+        if self.tp_group is not None:
+            n_writes, n_stored = self._agree(n_writes, n_stored)
+        unknown = []
+        for _ in range(n_writes):
+            ack = self._landed.popleft()
+            chunk = self._ongoing.pop(ack, None)
+            if chunk is None:
+                unknown.append(("ack", ack))
+            else:
+                self._on_landed(chunk)
+        for _ in range(n_stored):
+            op_id = self._stored.popleft()
+            op = self._storage_ops.pop(op_id, None)
+            if op is None:
+                unknown.append(("op", op_id))
+            else:
+                self._on_stored(op)
+        if unknown:
+            raise UnknownCompletion(f"offloader reported ids never issued or already settled: {unknown}")
+
+    def finalize_release_on_finish(self, req) -> None:
+        """The request is done (finished, aborted, retracted): release now, or when its copies land.
+
+        Raises:
+            InvalidTransition: the request was already finalized or released.
+            InvalidRequest: it has no row, or inconsistent lengths.
+        """
+        self._check_open()
+        rec = self._lookup(req)
+        if rec is None:
+            rec = self._new_record(req)
+            self._release_ranges(req, rec.row)
+            self._insert(rec, req)
+        else:
+            if rec.state is not _PREFILLED and rec.state is not _INFLIGHT:
+                self._refuse(rec, "finish", "the request was already finalized or released")
+            self._release_ranges(req, rec.row)
+        self._fire["finish"](rec, mgr=self, req=req)
+        if rec.inflight == 0:
+            self._release_finished_req(req)
+
+    def _release_finished_req(self, req) -> None:
+        """The one free path: free ``[0, committed)``, the over-allocation, then the row.
+
+        Allowed for a request that is FINISHED (finalized) or whose ``finished()`` is true, with
+        no copy in flight; it is finished first when needed.
+
+        Raises:
+            InvalidTransition: copies in flight, not finished nor finalized, or already released.
+            InvalidRequest: no row, or inconsistent lengths.
+        """
+        self._check_open()
+        rec = self._lookup(req)
+        fresh = rec is None
+        if fresh:
+            if not req.finished():
+                raise self._refusal(
+                    getattr(req, "rid", None), "release", "UNSEEN",
+                    "the request is neither finished nor finalized",
+                )
+            rec = self._new_record(req)
+        state = rec.state
+        if state is _RELEASED:
+            self._refuse(rec, "release", "already released")
+        if state is _OFFLOADING:
+            self._refuse(rec, "release", "an offload of this request is in progress")
+        if rec.inflight:
+            self._refuse(rec, "release", f"{rec.inflight} copies still in flight")
+        if state is not _FINISHED and not req.finished():
+            self._refuse(rec, "release", "the request is neither finished nor finalized")
+        self._release_ranges(req, rec.row)
+        if fresh:
+            self._insert(rec, req)
+        if state is not _FINISHED:
+            self._fire["finish"](rec, mgr=self, req=req)
+        self._fire["release"](rec, mgr=self, req=req)
+
+    def readmit(self, req) -> None:
+        """A RELEASED (e.g. retracted) request returns with a new row: start a new lifecycle.
+
+        Raises:
+            InvalidTransition: the request is not RELEASED (or was never seen).
+            InvalidRequest: it has no valid row.
+        """
+        self._check_open()
+        rec = self._lookup(req)
+        if rec is None:
+            raise self._refusal(getattr(req, "rid", None), "readmit", "UNSEEN", "the request was never seen")
+        if rec.state is not _RELEASED:
+            self._refuse(rec, "readmit", "only a RELEASED request can be readmitted")
+        row = self._row_of(req)
+        progress = self._initial_progress(req)
+        self._fire["readmit"](rec, mgr=self, req=req, row=row, progress=progress)
+
+    def state_of(self, req) -> State | None:
+        """The request's state, or None for a request this manager has never seen."""
+        rec = self._lookup(req)
+        return None if rec is None else rec.state
+
+    def progress_of(self, req) -> OffloadedState | None:
+        """A copy of the request's offload progress (``inc_len``, ``last_hash``), or None."""
+        rec = self._lookup(req)
+        return None if rec is None else msgspec.structs.replace(rec.offload)
+
+    def stats(self) -> Stats:
+        """Counters. ``tracked`` counts live requests not yet RELEASED."""
+        self._drain_dropped()
+        by_state = {s.name: n for s, n in self._by_state.items()}
+        return Stats(
+            tracked=sum(self._by_state.values()) - self._by_state[_RELEASED],
+            inflight_writes=len(self._ongoing),
+            inflight_storage=len(self._storage_ops),
+            released=self._released,
+            leaked=self._leaked,
+            by_state=by_state,
+            chunks_enqueued=self._chunks,
+            pages_enqueued=self._pages,
+            chunks_landed=self._chunks_landed,
+            storage_finished=self._storage_finished,
+            host_short=self._host_short,
+        )
+
+    def idle(self) -> bool:
+        """True when no copy and no storage op is in flight."""
+        return not self._ongoing and not self._storage_ops and not self._landed and not self._stored
+
+    def snapshot(self) -> bytes:
+        """All live records, msgpack-encoded (``RecordView`` list), for debugging."""
+        views = [
+            RecordView(str(r.rid), r.state.name, r.row, r.inflight, r.offload.inc_len,
+                       r.offload.last_hash, r.generation)
+            for r in list(self._records.values())
+            if r.ref() is not None
+        ]
+        return msgspec.msgpack.encode(views)
+
+    def check_integrity(self) -> None:
+        """Verify the tables agree. Call from tests and idle paths.
+
+        Raises:
+            IntegrityError: listing every disagreement found.
+        """
+        problems = []
+        per_rec: dict[int, int] = {}
+        for ack, chunk in self._ongoing.items():
+            per_rec[id(chunk.rec)] = per_rec.get(id(chunk.rec), 0) + 1
+            if chunk.rec.state not in (_INFLIGHT, _FINISHED):
+                problems.append(f"ack {ack} in flight for {chunk.rec.rid!r} in {chunk.rec.state.name}")
+        counts = dict.fromkeys(State, 0)
+        for rec in list(self._records.values()):
+            counts[rec.state] += 1
+            n = per_rec.pop(id(rec), 0)
+            if rec.inflight != n:
+                problems.append(f"{rec.rid!r}: inflight {rec.inflight} but {n} chunks outstanding")
+            if rec.state is _OFFLOADING:
+                problems.append(f"{rec.rid!r}: left in OFFLOADING")
+            if rec.state is _INFLIGHT and not rec.inflight:
+                problems.append(f"{rec.rid!r}: INFLIGHT with nothing in flight")
+            if rec.state in (_PREFILLED, _RELEASED) and rec.inflight:
+                problems.append(f"{rec.rid!r}: {rec.state.name} with {rec.inflight} copies in flight")
+            if rec.state is _FINISHED and not rec.inflight:
+                problems.append(f"{rec.rid!r}: FINISHED with nothing in flight but not released")
+        if per_rec:
+            problems.append(f"{len(per_rec)} in-flight chunks belong to no live record")
+        if counts != self._by_state:
+            problems.append(f"state counters {self._by_state} disagree with records {counts}")
+        if problems:
+            raise IntegrityError("; ".join(problems))
+
+    def shutdown(self, force: bool = False) -> None:
+        """Stop accepting calls and release the offloader's resources.
+
+        Raises:
+            LifecycleError: copies or storage ops are still in flight (unless ``force``).
+        """
+        if self._closed:
+            return
+        if not force and not self.idle():
+            raise LifecycleError(
+                f"shutdown with {len(self._ongoing)} copies and {len(self._storage_ops)} storage ops in flight"
+            )
+        self._closed = True
+        close = getattr(self.offloader, "close", None)
+        if callable(close):
+            close()
+
+    # --- records -----------------------------------------------------------------------------------
+
+    def _lookup(self, req) -> Record | None:
+        rec = self._records.get(id(req))
+        return rec if rec is not None and rec.ref() is req else None
+
+    def _first_sight(self, req) -> Record | None:
+        self._check_open()
+        row = req.kv.req_pool_idx
+        if row is None or row == -1 or len(req.output_ids) == 0:
+            return None
+        rec = self._new_record(req)
+        self._insert(rec, req)
+        return rec
+
+    def _row_of(self, req) -> int:
+        row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+        if not isinstance(row, int) or isinstance(row, bool) or row < 0:
+            raise InvalidRequest(f"request {getattr(req, 'rid', None)!r} has no req_to_token row ({row!r})")
+        n_rows = self.req_to_token_pool.req_to_token.shape[0]
+        if row >= n_rows:
+            raise InvalidRequest(f"request {req.rid!r}: row {row} is outside the pool's {n_rows} rows")
+        return row
+
+    def _initial_progress(self, req) -> OffloadedState:
+        tokens = req.origin_input_ids
+        prefill = len(tokens) - len(tokens) % self.page_size
+        names = page_hashes(tokens[:prefill], self.page_size, self.namespace_seed)
+        return OffloadedState(0, names[-1] if names else self.namespace_seed)
+
+    def _new_record(self, req) -> Record:
+        row = self._row_of(req)
+        progress = self._initial_progress(req)
+        ref = weakref.KeyedRef(req, self._dropped.append, id(req))
+        return Record(ref, req.rid, row, _PREFILLED, progress, self._log.bind(rid=req.rid, row=row),
+                      slots=req.kv.kv_allocated_len)
+
+    def _insert(self, rec: Record, req) -> None:
+        old = self._records.get(id(req))
+        if old is not None:
+            self._retire(old)
+        self._records[id(req)] = rec
+        self._by_state[_PREFILLED] += 1
+
+    def _drain_dropped(self) -> None:
+        dropped = self._dropped
+        while dropped:
+            ref = dropped.popleft()
+            rec = self._records.get(ref.key)
+            if rec is not None and rec.ref is ref:
+                self._retire(rec)
+
+    def _retire(self, rec: Record) -> None:
+        """Forget a record whose request was dropped; report a leak unless it was released."""
+        del self._records[rec.ref.key]
+        self._by_state[rec.state] -= 1
+        if rec.state is not _RELEASED:
+            self._leaked += 1
+            rec.log.warning(audit.LEAKED, state=rec.state.name, slots=rec.slots)
+
+    # --- work done by the machine's callbacks ------------------------------------------------------
+
+    def _enqueue_chunk(self, rec: Record, req, n: int) -> None:
+        ps = self.page_size
+        origin, out = req.origin_input_ids, req.output_ids
+        n_in = len(origin)
+        start = n_in - n_in % ps + rec.offload.inc_len
+        end = start + n
+        if end <= n_in:
+            tokens = list(origin[start:end])
+        elif start >= n_in:
+            tokens = list(out[start - n_in : end - n_in])
+        else:
+            tokens = list(origin[start:]) + list(out[: end - n_in])
+        ack = None
+        try:
+            hashes = page_hashes(tokens, ps, rec.offload.last_hash)
+            indices = self.req_to_token_pool.req_to_token[rec.row, start:end].to(torch.int64, copy=True)
+            ack = next(self._ack_ids)
+            host = self.offloader.write(indices, ack)
+        except BaseException as err:
+            self._fire["host_short"](rec, mgr=self, req=req, start=start, end=end, error=err)
+            raise
+        if host is None:
+            self._fire["host_short"](rec, mgr=self, req=req, start=start, end=end)
+            return
+        chunk = Chunk(ack, req, rec, start, end, host, tokens, hashes, self._clock())
+        self._fire["enqueued"](rec, mgr=self, req=req, chunk=chunk)
+
+    def _commit_chunk(self, rec: Record, chunk: Chunk) -> None:
+        self._ongoing[chunk.ack_id] = chunk
+        rec.inflight += 1
+        rec.offload.inc_len += chunk.end - chunk.start
+        rec.offload.last_hash = chunk.page_hashes[-1]
+        self._chunks += 1
+        self._pages += len(chunk.page_hashes)
+        rec.log.debug(
+            audit.CHUNK_ENQUEUED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end,
+            pages=len(chunk.page_hashes), first_hash=chunk.page_hashes[0], last_hash=chunk.page_hashes[-1],
+        )
+
+    def _count_host_short(self, rec: Record, kwargs: dict) -> None:
+        error = kwargs.get("error")
+        if error is None:
+            self._host_short += 1
+            rec.log.warning(audit.HOST_SHORT, start=kwargs["start"], end=kwargs["end"])
+        else:
+            rec.log.error(audit.HOST_SHORT, start=kwargs["start"], end=kwargs["end"], error=repr(error))
+
+    def _release_ranges(self, req, row: int) -> list[tuple[int, int]]:
+        kv = req.kv
+        effective = getattr(req, "effective_kv_committed_len", None)
+        committed = effective() if callable(effective) else kv.kv_committed_len
+        allocated = kv.kv_allocated_len
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        for name, value in (("committed", committed), ("allocated", allocated)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidRequest(f"request {req.rid!r}: kv {name} length {value!r} is not a non-negative int")
+        if committed > allocated:
+            raise InvalidRequest(f"request {req.rid!r}: committed {committed} > allocated {allocated}")
+        if allocated > width:
+            raise InvalidRequest(f"request {req.rid!r}: allocated {allocated} exceeds the row width {width}")
+        ranges = [(0, committed)] if committed else []
+        tail = -(-committed // self._alloc_page) * self._alloc_page
+        if tail < allocated:
+            ranges.append((tail, allocated))
+        return ranges
+
+    def _free_memory(self, rec: Record, req) -> None:
+        ranges = self._release_ranges(req, rec.row)
+        slots = self.req_to_token_pool.req_to_token[rec.row]
+        for start, end in ranges:
+            self.token_to_kv_pool_allocator.free(slots[start:end].to(torch.int64, copy=True))
+        self.req_to_token_pool.free(req)
+        self._released += 1
+        rec.log.info(audit.RELEASED, ranges=ranges, slots=sum(e - s for s, e in ranges))
+
+    def _reset_progress(self, rec: Record, req, row: int, progress: OffloadedState) -> None:
+        rec.row, rec.offload, rec.slots = row, progress, req.kv.kv_allocated_len
+        rec.generation += 1
+        rec.log = self._log.bind(rid=rec.rid, row=row)
+
+    def _on_transition(self, rec: Record, trigger: str, src: State, dst: State) -> None:
+        by_state = self._by_state
+        by_state[src] -= 1
+        by_state[dst] += 1
+        rec.log.debug(audit.TRANSITION, trigger=trigger, src=src.name, dst=dst.name)
+
+    # --- completions -------------------------------------------------------------------------------
+
+    def _on_landed(self, chunk: Chunk) -> None:
+        rec, req = chunk.rec, chunk.req
+        rec.inflight -= 1
+        self._chunks_landed += 1
+        op_id = None
+        try:
+            op_id = self.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes)
+        except Exception as err:
+            rec.log.error(audit.CHUNK_LANDED, ack_id=chunk.ack_id, error=repr(err))
+            self.offloader.free_host(chunk.host)
+        else:
+            self._storage_ops[op_id] = StorageOp(
+                op_id, rec.rid, chunk.ack_id, chunk.host, len(chunk.page_hashes),
+                chunk.page_hashes[0], chunk.page_hashes[-1],
+            )
+        rec.log.debug(
+            audit.CHUNK_LANDED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end, op_id=op_id,
+            latency_s=round(self._clock() - chunk.enqueued_at, 6),
+        )
+        if rec.inflight:
+            return
+        if rec.state is _INFLIGHT:
+            self._fire["landed"](rec, mgr=self, req=req)
+            if req.finished():
+                self._release_finished_req(req)
+        elif rec.state is _FINISHED:
+            self._release_finished_req(req)
+
+    def _on_stored(self, op: StorageOp) -> None:
+        self.offloader.free_host(op.host)
+        self._storage_finished += 1
+        self._log.debug(
+            audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,
+            first_hash=op.first_hash, last_hash=op.last_hash,
+        )
+
+    def _agree(self, n_writes: int, n_stored: int) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        counts = torch.tensor([n_writes, n_stored], dtype=torch.int64)
+        dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
+        return int(counts[0]), int(counts[1])
+
+    # --- refusals ------------------------------------------------------------------------------------
+
+    def _refusal(self, rid, trigger: str, state: str, reason: str) -> InvalidTransition:
+        self._log.info(audit.REFUSED, rid=rid, trigger=trigger, state=state, reason=reason)
+        return InvalidTransition(rid, trigger, state, reason)
+
+    def _refuse(self, rec: Record, trigger: str, reason: str):
+        raise self._refusal(rec.rid, trigger, rec.state.name, reason)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosed("the manager was shut down")
+
+
+def _default_offloader(allocator, page_size: int):
+    get_kvcache = getattr(allocator, "get_kvcache", None)
+    if not callable(get_kvcache):
+        raise ConfigError("no offloader given and the allocator has no get_kvcache() to build one from")
+    from transfer import HostOffloader  # noqa: PLC0415 - optional wiring, built only when asked
+
+    return HostOffloader.for_kv_pool(get_kvcache(), page_size=page_size)

@@ -1,0 +1,86 @@
+"""The manager's bookkeeping: small msgspec Structs, one concept each."""
+
+from __future__ import annotations
+
+import msgspec
+
+from lifecycle.states import State
+
+
+class OffloadedState(msgspec.Struct, gc=False):
+    """Offload progress of one request (SGLang's shape; the prefill length is derived).
+
+    ``inc_len`` counts decode-side tokens already submitted for offload; ``last_hash`` is the tail
+    of the request's page hash chain (the prefill part, then every submitted chunk).
+    """
+
+    inc_len: int = 0
+    last_hash: str | None = None
+
+
+class Record(msgspec.Struct, gc=False):
+    """One request's lifecycle. Holds the request only weakly (``ref``); never in a cycle."""
+
+    ref: object
+    rid: object
+    row: int
+    state: State
+    offload: OffloadedState
+    log: object
+    inflight: int = 0
+    slots: int = 0
+    generation: int = 0
+
+
+class Chunk(msgspec.Struct):
+    """A GPU -> host copy in flight. Holds the request strongly until it lands."""
+
+    ack_id: int
+    req: object
+    rec: Record
+    start: int
+    end: int
+    host: object
+    tokens: list
+    page_hashes: list
+    enqueued_at: float
+
+
+class StorageOp(msgspec.Struct, gc=False):
+    """A host -> storage write in flight; its host pages are freed when it finishes."""
+
+    op_id: int
+    rid: object
+    ack_id: int
+    host: object
+    pages: int
+    first_hash: str
+    last_hash: str
+
+
+class Stats(msgspec.Struct):
+    """Counters; cheap to take at any time."""
+
+    tracked: int
+    inflight_writes: int
+    inflight_storage: int
+    released: int
+    leaked: int
+    by_state: dict[str, int]
+    chunks_enqueued: int
+    pages_enqueued: int
+    chunks_landed: int
+    storage_finished: int
+    host_short: int
+
+
+class RecordView(msgspec.Struct):
+    """A debugging snapshot of one live record (``DecodeOffloadManager.snapshot``)."""
+
+    rid: str
+    state: str
+    row: int
+    inflight: int
+    inc_len: int
+    last_hash: str | None
+    generation: int

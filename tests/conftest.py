@@ -1,0 +1,36 @@
+import pytest
+
+from lifecycle import DecodeOffloadManager
+from tests.doubles import PagedAllocator, ReqToTokenPool
+from transfer import InMemoryOffloader
+
+
+class Node:
+    """A manager wired to strict doubles and an in-memory offloader, for one test."""
+
+    def __init__(self, page_size=4, stride=None, auto_land=False, host_pages=1 << 12, seed=None, alloc_page=None):
+        self.pool = ReqToTokenPool()
+        self.alloc = PagedAllocator(page_size=alloc_page or page_size)
+        self.off = InMemoryOffloader(page_size=page_size, host_pages=host_pages, auto_land=auto_land)
+        self.mgr = DecodeOffloadManager(
+            self.pool, self.alloc, page_size=page_size, offloader=self.off,
+            offload_stride=stride, namespace_seed=seed,
+        )
+
+    def land_all(self):
+        self.off.land()
+        self.mgr.check_offload_progress()
+
+    def store_all(self):
+        self.off.complete_storage()
+        self.mgr.check_offload_progress()
+
+
+@pytest.fixture
+def node():
+    return Node()
+
+
+@pytest.fixture
+def make_node():
+    return Node

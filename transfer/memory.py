@@ -1,0 +1,136 @@
+"""An in-memory ``Offloader`` for tests and the demo: real tensors, completions under the caller's control.
+
+Copies are real (``kv[device_indices]`` into a host buffer) but land only when told to
+(``land``) or, with ``auto_land=True``, by the next ``finished_writes`` call. Storage keeps page
+bytes in a dict keyed by page hash. Every misuse of the seam (double free of host pages, unknown
+ids) raises, so tests catch a manager that breaks the contract.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class OffloaderMisuse(RuntimeError):
+    """The caller broke the Offloader contract (double free, unknown id)."""
+
+
+class InMemoryOffloader:
+    """Offloader over a device KV tensor ``[slots, ...]`` with a bounded host buffer.
+
+    Args:
+        kv: device KV, first dim indexed by token slot (``None``: copy nothing, track ids only).
+        page_size: tokens per page.
+        host_pages: host capacity in pages.
+        auto_land: land every pending copy (and finish every storage op) at the next poll.
+        fail_storage: page hashes whose storage op should be reported failed.
+    """
+
+    def __init__(
+        self,
+        kv: torch.Tensor | None = None,
+        *,
+        page_size: int = 1,
+        host_pages: int = 1 << 16,
+        auto_land: bool = True,
+        fail_storage: Iterable[str] = (),
+    ) -> None:
+        self.kv = kv
+        self.page_size = page_size
+        self.auto_land = auto_land
+        self.fail_storage = set(fail_storage)
+        self._free_pages = list(range(host_pages - 1, -1, -1))
+        self._held_pages: set[int] = set()
+        self.host = (
+            torch.empty((host_pages * page_size, *kv.shape[1:]), dtype=kv.dtype)
+            if kv is not None
+            else None
+        )
+        self.pending_writes: dict[int, torch.Tensor] = {}
+        self._landed: list[int] = []
+        self.pending_storage: dict[int, tuple[torch.Tensor, list[str]]] = {}
+        self._stored_ops: list[int] = []
+        self._op_ids = itertools.count(1)
+        self.stored: dict[str, torch.Tensor | None] = {}
+        self.failed_ops = 0
+        self.writes = 0
+
+    def host_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
+        n = device_indices.numel()
+        if n % self.page_size:
+            raise OffloaderMisuse(f"write of {n} slots is not a whole number of pages")
+        if ack_id in self.pending_writes:
+            raise OffloaderMisuse(f"ack id {ack_id} is already pending")
+        pages = n // self.page_size
+        if pages > len(self._free_pages):
+            return None
+        got = [self._free_pages.pop() for _ in range(pages)]
+        self._held_pages.update(got)
+        host = (
+            torch.tensor(got, dtype=torch.int64).repeat_interleave(self.page_size) * self.page_size
+            + torch.arange(self.page_size, dtype=torch.int64).repeat(pages)
+        )
+        if self.kv is not None:
+            self.host[host] = self.kv[device_indices]
+        self.pending_writes[ack_id] = host
+        self.writes += 1
+        return host
+
+    def land(self, ack_ids: Iterable[int] | None = None) -> None:
+        """Mark copies as landed (all pending when ``ack_ids`` is None), in the order given."""
+        ids = list(self.pending_writes) if ack_ids is None else list(ack_ids)
+        for ack in ids:
+            if ack not in self.pending_writes:
+                raise OffloaderMisuse(f"ack id {ack} is not pending")
+            del self.pending_writes[ack]
+            self._landed.append(ack)
+
+    def finished_writes(self) -> list[int]:
+        if self.auto_land:
+            self.land()
+        out, self._landed = self._landed, []
+        return out
+
+    def write_storage(
+        self, host_indices: torch.Tensor, tokens: Sequence[int], page_hashes: Sequence[str]
+    ) -> int:
+        if len(tokens) != len(page_hashes) * self.page_size:
+            raise OffloaderMisuse(
+                f"{len(tokens)} tokens for {len(page_hashes)} pages of {self.page_size}"
+            )
+        op = next(self._op_ids)
+        self.pending_storage[op] = (host_indices, list(page_hashes))
+        return op
+
+    def complete_storage(self, op_ids: Iterable[int] | None = None) -> None:
+        """Finish storage ops (all pending when None): store their pages or count a failure."""
+        ids = list(self.pending_storage) if op_ids is None else list(op_ids)
+        for op in ids:
+            host, hashes = self.pending_storage.pop(op)
+            if self.fail_storage.intersection(hashes):
+                self.failed_ops += 1
+            else:
+                for i, h in enumerate(hashes):
+                    page = host[i * self.page_size : (i + 1) * self.page_size]
+                    self.stored.setdefault(h, self.host[page].clone() if self.host is not None else None)
+            self._stored_ops.append(op)
+
+    def finished_storage(self) -> list[int]:
+        if self.auto_land:
+            self.complete_storage()
+        out, self._stored_ops = self._stored_ops, []
+        return out
+
+    def free_host(self, host_indices: torch.Tensor) -> None:
+        pages = sorted(set((host_indices // self.page_size).tolist()))
+        missing = [p for p in pages if p not in self._held_pages]
+        if missing:
+            raise OffloaderMisuse(f"host pages {missing} freed but not held (double free?)")
+        self._held_pages.difference_update(pages)
+        self._free_pages.extend(pages)
