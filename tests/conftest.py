@@ -1,3 +1,4 @@
+import structlog
 import pytest
 
 from lifecycle import DecodeOffloadManager
@@ -34,3 +35,11 @@ def node():
 @pytest.fixture
 def make_node():
     return Node
+
+
+def _drop(logger, name, event_dict):
+    raise structlog.DropEvent
+
+
+# Tests read logs through structlog.testing.capture_logs; elsewhere, don't print them.
+structlog.configure(processors=[_drop])
