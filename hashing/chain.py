@@ -29,14 +29,11 @@ def _pack(tokens: Sequence[int]) -> bytes:
     except (OverflowError, TypeError) as err:
         bad = next(
             (i, t) for i, t in enumerate(tokens)
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= 0xFFFFFFFF
+            if not isinstance(t, int) or not 0 <= t <= 0xFFFFFFFF
         )
         raise TokenRangeError(
             f"token id {bad[1]!r} at position {bad[0]} is not an int in 0..2**32-1"
         ) from err
-    if any(isinstance(t, bool) for t in tokens):
-        i = next(i for i, t in enumerate(tokens) if isinstance(t, bool))
-        raise TokenRangeError(f"token id {tokens[i]!r} at position {i} is a bool, not an int")
     if sys.byteorder != "little":
         packed.byteswap()
     return packed.tobytes()

@@ -98,7 +98,7 @@ class DecodeOffloadManager:
         if not callable(getattr(token_to_kv_pool_allocator, "free", None)):
             raise ConfigError("token_to_kv_pool_allocator has no free(indices)")
         if offloader is None:
-            offloader = _default_offloader(token_to_kv_pool_allocator, page_size)
+            raise ConfigError("no offloader: pass offloader=, or use DecodeOffloadManager.from_stack(build_stack(...))")
         missing = [m for m in _OFFLOADER_METHODS if not callable(getattr(offloader, m, None))]
         if missing:
             raise ConfigError(f"offloader lacks {', '.join(missing)}")
@@ -122,6 +122,16 @@ class DecodeOffloadManager:
         self._chunks = self._pages = self._chunks_landed = self._storage_finished = 0
         self._closed = False
         self._fire = {name: event.trigger for name, event in EVENTS.items()}
+
+    @classmethod
+    def from_stack(cls, stack, *, offload_stride: int | None = None, namespace_seed: str | None = None,
+                   tp_group=None) -> "DecodeOffloadManager":
+        """A manager over a ``transfer.build_stack`` stack: its pools and its ``HostOffloader``."""
+        return cls(
+            stack.req_to_token_pool, stack.allocator, page_size=stack.host_pool.page_size,
+            offloader=stack.offloader, offload_stride=offload_stride,
+            namespace_seed=namespace_seed, tp_group=tp_group,
+        )
 
     # --- the scheduler's calls -------------------------------------------------------------------
 
@@ -558,12 +568,3 @@ class DecodeOffloadManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosed("the manager was shut down")
-
-
-def _default_offloader(allocator, page_size: int):
-    get_kvcache = getattr(allocator, "get_kvcache", None)
-    if not callable(get_kvcache):
-        raise ConfigError("no offloader given and the allocator has no get_kvcache() to build one from")
-    from transfer import HostOffloader  # noqa: PLC0415 - optional wiring, built only when asked
-
-    return HostOffloader.for_kv_pool(get_kvcache(), page_size=page_size)

@@ -44,7 +44,7 @@ def test_extend_equals_whole_chain(tokens, page_size, cut):
     assert end == (whole[-1] if whole else None)
 
 
-@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7", None, True])
+@pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "7", None])
 def test_out_of_range_token_raises_naming_position(bad):
     with pytest.raises(TokenRangeError, match="position 2"):
         page_hashes([1, 2, bad, 4], 4)

@@ -1,6 +1,66 @@
 """Mechanism: KV and host memory, the copy engine and storage. Executes jobs; decides nothing."""
 
+from transfer.allocator import PagedTokenAllocator
+from transfer.copy_engine import CpuCopyEngine, CudaCopyEngine, make_copy_engine
+from transfer.errors import (
+    BadIndices,
+    Closed,
+    DoubleFree,
+    HostPagesBusy,
+    IntegrityError,
+    InvalidFree,
+    NotAllocated,
+    PageSizeMismatch,
+    PoolExhausted,
+    StorageError,
+    StorageUnavailable,
+    TransferError,
+    UnknownId,
+)
+from transfer.host_offloader import HostOffloader, OffloaderStats
+from transfer.host_pool import HostPool
+from transfer.kv_pattern import synthetic_kv
+from transfer.kv_pool import KVPool
 from transfer.memory import InMemoryOffloader, OffloaderMisuse
 from transfer.offloader import Offloader
+from transfer.prefix import PrefixLoad, PrefixLoader
+from transfer.req_pool import ReqToTokenPool
+from transfer.stack import TransferStack, build_stack
+from transfer.storage import FileStorage, MemoryStorage, Storage, StorageStats
 
-__all__ = ["InMemoryOffloader", "Offloader", "OffloaderMisuse"]
+__all__ = [
+    "BadIndices",
+    "Closed",
+    "CpuCopyEngine",
+    "CudaCopyEngine",
+    "DoubleFree",
+    "FileStorage",
+    "HostOffloader",
+    "HostPagesBusy",
+    "HostPool",
+    "InMemoryOffloader",
+    "IntegrityError",
+    "InvalidFree",
+    "KVPool",
+    "MemoryStorage",
+    "NotAllocated",
+    "Offloader",
+    "OffloaderMisuse",
+    "OffloaderStats",
+    "PageSizeMismatch",
+    "PagedTokenAllocator",
+    "PoolExhausted",
+    "PrefixLoad",
+    "PrefixLoader",
+    "ReqToTokenPool",
+    "Storage",
+    "StorageError",
+    "StorageStats",
+    "StorageUnavailable",
+    "TransferError",
+    "TransferStack",
+    "UnknownId",
+    "build_stack",
+    "make_copy_engine",
+    "synthetic_kv",
+]

@@ -1,0 +1,39 @@
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from transfer import DoubleFree, NotAllocated, ReqToTokenPool
+
+
+def req(idx):
+    return SimpleNamespace(kv=SimpleNamespace(req_pool_idx=idx))
+
+
+def test_alloc_until_empty_then_none():
+    pool = ReqToTokenPool(2, 8)
+    assert pool.req_to_token.shape == (2, 8) and pool.req_to_token.dtype == torch.int32
+    rows = {pool.alloc(), pool.alloc()}
+    assert rows == {0, 1}
+    assert pool.alloc() is None and pool.available_size() == 0
+
+
+def test_free_sets_index_none_and_double_free_raises():
+    pool = ReqToTokenPool(2, 8)
+    r = req(pool.alloc())
+    stale = req(r.kv.req_pool_idx)
+    pool.free(r)
+    assert r.kv.req_pool_idx is None and pool.available_size() == 2
+    with pytest.raises(NotAllocated):
+        pool.free(r)
+    with pytest.raises(DoubleFree):
+        pool.free(stale)
+    assert stale.kv.req_pool_idx is not None and pool.available_size() == 2
+
+
+@pytest.mark.parametrize("idx", [None, -1, 5])
+def test_free_of_no_row_raises(idx):
+    pool = ReqToTokenPool(2, 8)
+    with pytest.raises(NotAllocated):
+        pool.free(req(idx))
+    assert pool.available_size() == 2

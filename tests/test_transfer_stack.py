@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from transfer import FileStorage, MemoryStorage, Offloader, StorageUnavailable, build_stack
+
+
+def test_memory_stack_shapes():
+    s = build_stack(4, 2, 16, torch.bfloat16, 8, 64, 32, 3, 128)
+    assert s.kv_pool.buffer.shape == (2, 4, 72, 2, 16)  # +1 padding page
+    assert s.allocator.available_size() == 64 and s.host_pool.available_size() == 32
+    assert s.req_to_token_pool.req_to_token.shape == (3, 128)
+    assert isinstance(s.storage, MemoryStorage) and s.storage.suffix == "_model_0_1"
+    assert isinstance(s.offloader, Offloader)
+    s.close()
+
+
+def test_file_stack_mla_suffix(tmp_path):
+    s = build_stack(2, 1, 32, torch.float16, 4, 16, 16, 1, 16, storage=f"file:{tmp_path}",
+                    mla=True, model_name="deepseek-ai/DeepSeek-V3", tp_rank=1, tp_size=2)
+    assert isinstance(s.storage, FileStorage) and s.storage.suffix == "_deepseek-ai-DeepSeek-V3"
+    assert s.kv_pool.kinds == 1 and s.host_pool.page_nbytes == 4 * 2 * 32 * 2
+    s.close()
+
+
+def test_bad_storage_spec(tmp_path):
+    with pytest.raises(ValueError):
+        build_stack(1, 1, 4, torch.float16, 4, 16, 16, 1, 16, storage="redis")
+    f = tmp_path / "f"
+    f.write_bytes(b"")
+    with pytest.raises(StorageUnavailable):
+        build_stack(1, 1, 4, torch.float16, 4, 16, 16, 1, 16, storage=f"file:{f}/x")

@@ -1,0 +1,133 @@
+"""Copy engines: run chunk copies between the device KV pool and host pages without blocking.
+
+``CpuCopyEngine`` runs copies on worker threads. ``CudaCopyEngine`` launches them on a dedicated
+copy stream that first waits on the compute stream, and detects completion by querying CUDA
+events (never synchronizing the caller). Both report finished tags through ``poll``, possibly out
+of submission order, each exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from transfer.gather import ChunkCopy
+from transfer.host_pool import HostPool
+from transfer.kv_pool import KVPool
+from transfer.worker import BackgroundWorker, Done
+from transfer.errors import Closed
+
+
+class CpuCopyEngine:
+    """Copies on ``threads`` worker threads (torch releases the GIL while copying).
+
+    Args:
+        threads: worker threads; with more than one, completions may come out of order.
+    """
+
+    def __init__(self, threads: int = 2) -> None:
+        self._worker = BackgroundWorker("kv-copy", threads)
+
+    @property
+    def pending(self) -> int:
+        """Copies submitted and not yet reported by ``poll``."""
+        return self._worker.pending
+
+    def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` as one copy job; ``poll`` reports ``tag`` when it has run."""
+        self._worker.submit(tag, fn)
+
+    def to_host(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+        """Enqueue device ``slots`` -> host ``host_pages`` (same page count)."""
+        plan = ChunkCopy(kv, host, slots, host_pages)
+        self.submit(tag, plan.to_host)
+
+    def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+        """Enqueue host ``host_pages`` -> device ``slots``."""
+        plan = ChunkCopy(kv, host, slots, host_pages)
+        self.submit(tag, plan.to_device)
+
+    def poll(self) -> list[Done]:
+        """Copies finished since the last call (``Done.error`` set if one raised). Never blocks."""
+        return self._worker.poll()
+
+    def close(self) -> None:
+        """Finish queued copies and stop the threads."""
+        self._worker.close()
+
+
+class CudaCopyEngine:
+    """Copies on a dedicated CUDA stream, completion by event query.
+
+    Args:
+        device: the CUDA device of the KV pool.
+    Raises:
+        RuntimeError: CUDA is not available.
+    """
+
+    def __init__(self, device: torch.device | str = "cuda") -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CudaCopyEngine needs CUDA")
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self._inflight: list[tuple[Any, torch.cuda.Event, Any]] = []
+        self._closed = False
+
+    @property
+    def pending(self) -> int:
+        return len(self._inflight)
+
+    def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
+        """Launch ``fn`` on the copy stream after the compute stream's queued work.
+
+        Whatever ``fn`` returns is kept alive until the copy's event has fired.
+        """
+        if self._closed:
+            raise Closed("copy engine is closed")
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            keep = fn()
+            done.record(self.stream)
+        self._inflight.append((tag, done, keep))
+
+    def _launch(self, plan: ChunkCopy, run: Callable[[], None]) -> Callable[[], ChunkCopy]:
+        def go() -> ChunkCopy:
+            run()
+            return plan  # keeps index and staging tensors alive until the event fires
+        return go
+
+    def to_host(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+        plan = ChunkCopy(kv, host, slots, host_pages)
+        self.submit(tag, self._launch(plan, plan.to_host))
+
+    def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+        plan = ChunkCopy(kv, host, slots, host_pages)
+        self.submit(tag, self._launch(plan, plan.to_device))
+
+    def poll(self) -> list[Done]:
+        """Copies whose event has fired (``event.query()``); never synchronizes."""
+        done, still = [], []
+        for tag, event, keep in self._inflight:
+            (done if event.query() else still).append((tag, event, keep))
+        self._inflight = still
+        return [Done(tag) for tag, _, _ in done]
+
+    def close(self) -> None:
+        """Wait for in-flight copies (shutdown only) and refuse new ones."""
+        self._closed = True
+        self.stream.synchronize()
+
+
+CopyEngine = CpuCopyEngine | CudaCopyEngine
+
+
+def make_copy_engine(device: torch.device | str, threads: int = 2) -> CopyEngine:
+    """The engine for a KV pool on ``device``: CUDA stream engine on CUDA, threads otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return CudaCopyEngine(device)
+    return CpuCopyEngine(threads)

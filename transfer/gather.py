@@ -1,0 +1,99 @@
+"""Batched KV movement between the device pool's slot layout and host pages (page-first).
+
+Both pools are viewed as 2-D "rows" of one (kind, layer, token) each, ``heads * head_dim`` values
+wide, reinterpreted as the widest integer type that divides a row (dtype-agnostic, fp8 included).
+A chunk's copy is one ``index_select`` (device -> host) or ``index_copy_`` (host -> device) per run
+of consecutive host pages, with a flat row index built in host order ``(page, kind, token, layer)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transfer.host_pool import HostPool
+from transfer.kv_pool import KVPool
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def row_word(row_bytes: int, *buffers: torch.Tensor) -> torch.dtype:
+    """The widest int dtype that divides ``row_bytes`` and every buffer's start address."""
+    for word in _WORDS:
+        size = torch.empty((), dtype=word).element_size()
+        if row_bytes % size == 0 and all(b.data_ptr() % size == 0 for b in buffers):
+            return word
+    raise AssertionError("unreachable: uint8 divides every row")
+
+
+def word_rows(buffer: torch.Tensor, row_bytes: int, word: torch.dtype) -> torch.Tensor:
+    """View a contiguous buffer as ``[-1, row_bytes / sizeof(word)]`` rows of ``word``."""
+    return buffer.view(-1).view(torch.uint8).view(word).view(-1, row_bytes // torch.empty((), dtype=word).element_size())
+
+
+def host_order_rows(kv: KVPool, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Flat device row ids of ``slots`` (whole pages) in host page-first order.
+
+    The row of (kind, layer, slot) is ``(kind * layers + layer) * kv.slots + slot``; the result is
+    ordered ``[page, kind, token-in-page, layer]``, matching a host page ``[kinds, page_size,
+    layers, ...]``.
+    """
+    plane = (torch.arange(kv.kinds).view(1, -1, 1, 1) * kv.layers
+             + torch.arange(kv.layers).view(1, 1, 1, -1)) * kv.slots
+    return (plane + slots.view(-1, 1, page_size, 1)).reshape(-1)
+
+
+def page_runs(pages: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Split page ids into runs of consecutive ids: ``(position in pages, first page, length)``."""
+    n = pages.numel()
+    if n == 0:
+        return []
+    cuts = ((pages[1:] - pages[:-1]) != 1).nonzero().view(-1).add(1).tolist()
+    starts, ends = [0, *cuts], [*cuts, n]
+    first = pages[starts].tolist()
+    return [(s, f, e - s) for s, f, e in zip(starts, first, ends)]
+
+
+class ChunkCopy:
+    """A planned copy between ``slots`` (device) and ``host_pages`` (host), same page count.
+
+    Holds the index tensors it uses, so they stay alive until the copy is done.
+    """
+
+    def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor):
+        self.kv, self.host = kv, host
+        self.rows_per_page = kv.kinds * host.page_size * kv.layers
+        index = host_order_rows(kv, slots, host.page_size)
+        self.index = index.to(kv.device, non_blocking=True) if kv.device.type == "cuda" else index
+        self.runs = page_runs(host_pages)
+        word = row_word(kv.row_bytes, kv.buffer, host.buffer)
+        self.dev_rows = word_rows(kv.buffer, kv.row_bytes, word)
+        self.host_rows = word_rows(host.buffer, host.row_bytes, word)
+        self.staging: torch.Tensor | None = None
+
+    def _run_slices(self):
+        rpp = self.rows_per_page
+        for pos, first, length in self.runs:
+            yield slice(pos * rpp, (pos + length) * rpp), slice(first * rpp, (first + length) * rpp)
+
+    def to_host(self) -> None:
+        """Device -> host. On CUDA: one device gather, then async D2H per run (current stream)."""
+        if self.kv.device.type == "cuda":
+            self.staging = self.dev_rows.index_select(0, self.index)
+            for src, dst in self._run_slices():
+                self.host_rows[dst].copy_(self.staging[src], non_blocking=True)
+            return
+        for src, dst in self._run_slices():
+            torch.index_select(self.dev_rows, 0, self.index[src], out=self.host_rows[dst])
+
+    def to_device(self) -> None:
+        """Host -> device. On CUDA: async H2D per run into staging, then one device scatter."""
+        if self.kv.device.type == "cuda":
+            self.staging = torch.empty(
+                (self.index.numel(), self.dev_rows.shape[1]), dtype=self.dev_rows.dtype, device=self.kv.device
+            )
+            for src, dst in self._run_slices():
+                self.staging[src].copy_(self.host_rows[dst], non_blocking=True)
+            self.dev_rows.index_copy_(0, self.index, self.staging)
+            return
+        for src, dst in self._run_slices():
+            self.dev_rows.index_copy_(0, self.index[src], self.host_rows[dst])

@@ -1,0 +1,126 @@
+"""Host KV pool in SGLang's ``page_first`` page byte layout, one page contiguous.
+
+Buffer: ``[pages, kinds, page_size, layers, heads, head_dim]`` (MHA: kinds = 2, K then V; MLA:
+kinds = 1, heads = 1). One page's bytes are ``[kinds, page_size, layers, heads, head_dim]``: the
+same bytes SGLang's ``MHATokenToKVPoolHost.get_data_page(index, flat=True)`` yields for layout
+``page_first`` (``kv_buffer[:, index:index+page_size]`` of a ``(2, size, layers, heads, dim)``
+buffer) and ``MLATokenToKVPoolHost`` yields for ``(size, layers, 1, dim)``. Pinned when CUDA is
+available; pageable (with a warning) when pinning fails.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from transfer.errors import BadIndices
+from transfer.indices import pages_of_aligned, slots_of_pages
+from transfer.page_set import PageSet
+
+log = structlog.get_logger(__name__)
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool | None) -> torch.Tensor:
+    want_pin = torch.cuda.is_available() if pin is None else pin
+    if want_pin:
+        try:
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as err:
+            log.warning("host_pool.pin_failed", error=str(err), fallback="pageable")
+    return torch.zeros(shape, dtype=dtype)
+
+
+class HostPool:
+    """Host token slots in whole pages; host token index ``i`` lies on page ``i // page_size``.
+
+    Args:
+        layers, heads, head_dim, dtype: as the device ``KVPool``.
+        page_size: tokens per page.
+        tokens: capacity, a positive multiple of ``page_size``.
+        mla: latent-only layout.
+        pin: pin the buffer (None: when CUDA is available).
+    Raises:
+        ValueError: bad sizes.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        page_size: int,
+        tokens: int,
+        mla: bool = False,
+        pin: bool | None = None,
+    ) -> None:
+        if page_size < 1 or tokens < page_size or tokens % page_size:
+            raise ValueError(f"tokens ({tokens}) must be a positive multiple of page_size ({page_size})")
+        if mla and heads != 1:
+            raise ValueError(f"an MLA pool has one latent head, got heads={heads}")
+        self.layers, self.heads, self.head_dim, self.dtype = layers, heads, head_dim, dtype
+        self.page_size, self.size, self.mla = page_size, tokens, mla
+        self.kinds = 1 if mla else 2
+        self.num_pages = tokens // page_size
+        self.buffer = _host_buffer(
+            (self.num_pages, self.kinds, page_size, layers, heads, head_dim), dtype, pin
+        )
+        self.pinned = self.buffer.is_pinned()
+        self.page_nbytes = self.buffer[0].numel() * self.buffer.element_size()
+        self.row_bytes = heads * head_dim * self.buffer.element_size()
+        self._pages = PageSet(self.num_pages)
+
+    def available_size(self) -> int:
+        """Free host token slots."""
+        return self._pages.free_count() * self.page_size
+
+    def alloc(self, n_tokens: int) -> torch.Tensor | None:
+        """Allocate ``ceil(n_tokens / page_size)`` pages.
+
+        Returns:
+            int64 host token indices, page by page; None (nothing allocated) when short.
+        """
+        if n_tokens < 0:
+            raise ValueError(f"cannot allocate {n_tokens} tokens")
+        pages = self._pages.alloc(-(-n_tokens // self.page_size))
+        return None if pages is None else slots_of_pages(pages, self.page_size)
+
+    def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """Page ids of host token ``indices`` (whole, aligned pages within the pool).
+
+        Raises:
+            BadIndices: not whole aligned pages, or outside the pool.
+        """
+        pages = pages_of_aligned(indices, self.page_size, "host indices")
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
+            raise BadIndices(f"host pages must lie in 0..{self.num_pages - 1}")
+        return pages
+
+    def is_held(self, pages: torch.Tensor) -> bool:
+        """Whether every page id in ``pages`` is allocated."""
+        return self._pages.is_held(pages)
+
+    def free(self, indices: torch.Tensor) -> int:
+        """Free the pages of host token ``indices`` (as returned by ``alloc``).
+
+        Returns:
+            Pages freed.
+        Raises:
+            BadIndices: not whole aligned pages. NotAllocated / DoubleFree: see ``PageSet.free``.
+            On any error nothing changes.
+        """
+        return self._pages.free(self.pages_of(indices))
+
+    def page_view(self, page: int) -> torch.Tensor:
+        """Page ``page`` as ``[kinds, page_size, layers, heads, head_dim]`` (a view)."""
+        if not 0 <= page < self.num_pages:
+            raise BadIndices(f"host page {page} outside 0..{self.num_pages - 1}")
+        return self.buffer[page]
+
+    def page_bytes(self, page: int) -> torch.Tensor:
+        """Page ``page``'s raw bytes (a contiguous uint8 view, ``page_nbytes`` long)."""
+        return self.page_view(page).reshape(-1).view(torch.uint8)
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless free + held pages == total pages."""
+        self._pages.check_integrity()

@@ -1,0 +1,103 @@
+"""Page bookkeeping shared by the device allocator and the host pool.
+
+A page is never-allocated, held, or free-after-release. Frees are validated in full before any
+state changes, so a bad free (double free, never-allocated page, out of range) changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transfer.errors import BadIndices, DoubleFree, IntegrityError, NotAllocated
+
+_NEVER, _HELD, _RELEASED = 0, 1, 2
+
+
+class PageSet:
+    """Allocatable pages ``first .. end-1``; pages below ``first`` are reserved (never handed out).
+
+    Args:
+        end: one past the last page id.
+        first: the first allocatable page id (0, or 1 to reserve page 0 as padding).
+    Raises:
+        ValueError: ``end <= first`` or ``first < 0``.
+    """
+
+    def __init__(self, end: int, first: int = 0) -> None:
+        if first < 0 or end <= first:
+            raise ValueError(f"need 0 <= first < end, got first={first} end={end}")
+        self.first, self.end = first, end
+        self.total = end - first
+        self._state = torch.zeros(end, dtype=torch.uint8)
+        self._free = torch.arange(first, end, dtype=torch.int64)
+        self._released: list[torch.Tensor] = []
+        self._released_count = 0
+
+    def free_count(self) -> int:
+        """Pages available to ``alloc``."""
+        return self._free.numel() + self._released_count
+
+    def held_count(self) -> int:
+        """Pages currently handed out."""
+        return self.total - self.free_count()
+
+    def alloc(self, n_pages: int) -> torch.Tensor | None:
+        """Take ``n_pages`` pages (lowest ids first after a merge).
+
+        Returns:
+            int64 page ids, or None (nothing taken) when fewer are free.
+        Raises:
+            ValueError: ``n_pages`` negative.
+        """
+        if n_pages < 0:
+            raise ValueError(f"cannot allocate {n_pages} pages")
+        if n_pages > self.free_count():
+            return None
+        if n_pages > self._free.numel():
+            self._free, _ = torch.cat([self._free, *self._released]).sort()
+            self._released, self._released_count = [], 0
+        got, self._free = self._free[:n_pages], self._free[n_pages:]
+        self._state[got] = _HELD
+        return got
+
+    def free(self, pages: torch.Tensor) -> int:
+        """Release ``pages`` (a page listed several times counts once).
+
+        Returns:
+            The number of distinct pages released.
+        Raises:
+            BadIndices: a page id outside ``0 .. end-1``.
+            NotAllocated: a page never handed out (reserved pages included).
+            DoubleFree: a page already released.
+        """
+        pages = torch.unique(pages)
+        if pages.numel() == 0:
+            return 0
+        lo, hi = int(pages[0]), int(pages[-1])
+        if lo < 0 or hi >= self.end:
+            raise BadIndices(f"page ids {lo}..{hi} outside 0..{self.end - 1}")
+        state = self._state[pages]
+        if (state != _HELD).any():
+            never = pages[state == _NEVER]
+            if never.numel():
+                raise NotAllocated(f"pages {never[:8].tolist()} were never allocated")
+            raise DoubleFree(f"pages {pages[state == _RELEASED][:8].tolist()} are already free")
+        self._state[pages] = _RELEASED
+        self._released.append(pages)
+        self._released_count += pages.numel()
+        return pages.numel()
+
+    def is_held(self, pages: torch.Tensor) -> bool:
+        """Whether every page in ``pages`` (valid ids) is currently held."""
+        return bool((self._state[pages] == _HELD).all())
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless free + held == total with no page both free and held."""
+        free = torch.cat([self._free, *self._released])
+        if free.numel() != torch.unique(free).numel():
+            raise IntegrityError("a page is on the free list twice")
+        held = int((self._state == _HELD).sum())
+        if free.numel() and (self._state[free] == _HELD).any():
+            raise IntegrityError("a page is both free and held")
+        if held + free.numel() != self.total:
+            raise IntegrityError(f"held {held} + free {free.numel()} != total {self.total}")

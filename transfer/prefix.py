@@ -1,0 +1,151 @@
+"""Prefix reuse: find a new request's leading pages in storage and load them into device slots.
+
+``start`` hashes the request's tokens (``hashing.page_hashes``, optionally from a namespace seed),
+asks storage how many leading pages exist, allocates device slots and host pages for them, and
+queues the load (storage -> host pages -> device slots) on a worker thread. ``finished`` reports
+loads as they complete, frees the host staging pages and any device slots whose page could not be
+read (a page evicted between lookup and read ends the prefix there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+import hashing
+from transfer.allocator import PagedTokenAllocator
+from transfer.errors import Closed, UnknownId
+from transfer.gather import ChunkCopy
+from transfer.host_pool import HostPool
+from transfer.host_offloader import check_compatible
+from transfer.kv_pool import KVPool
+from transfer.storage.base import Storage
+from transfer.worker import BackgroundWorker
+
+
+class PrefixLoad(msgspec.Struct):
+    """A finished load: ``pages`` leading pages now sit in ``device_indices`` (``pages * page_size``
+    slots, owned by the caller); ``page_hashes`` names them; ``error`` says why a load fell short."""
+
+    load_id: int
+    pages: int
+    device_indices: torch.Tensor
+    page_hashes: list[str]
+    error: str | None = None
+
+
+class _Pending(msgspec.Struct):
+    slots: torch.Tensor
+    host: torch.Tensor
+    hashes: list[str]
+
+
+class PrefixLoader:
+    """Loads stored prefixes into freshly allocated device slots.
+
+    Args:
+        kv_pool, allocator, host_pool, storage: the stack's parts (same page size).
+        threads: loader worker threads.
+    Raises:
+        ValueError: pools of different shape, or allocator and host pool page sizes differ.
+    """
+
+    def __init__(self, kv_pool: KVPool, allocator: PagedTokenAllocator, host_pool: HostPool,
+                 storage: Storage, threads: int = 1) -> None:
+        check_compatible(kv_pool, host_pool)
+        if allocator.page_size != host_pool.page_size:
+            raise ValueError(f"allocator page size {allocator.page_size} != host {host_pool.page_size}")
+        self.kv, self.allocator, self.host, self.storage = kv_pool, allocator, host_pool, storage
+        self.page_size = host_pool.page_size
+        self._worker = BackgroundWorker("kv-prefix-load", threads)
+        self._pending: dict[int, _Pending] = {}
+        self._closed = False
+
+    def lookup(self, tokens: Sequence[int], prior_hash: str | None = None) -> list[str]:
+        """Hashes of the leading pages of ``tokens`` present in storage (no loading)."""
+        hashes = hashing.page_hashes(tokens, self.page_size, prior_hash)
+        return hashes[: self.storage.batch_exists(hashes)]
+
+    def start(self, load_id: int, tokens: Sequence[int], prior_hash: str | None = None,
+              max_pages: int | None = None) -> int | None:
+        """Queue the load of the stored prefix of ``tokens``.
+
+        Args:
+            load_id: caller-chosen id, reported once by ``finished`` when pages > 0.
+            tokens: the request's token ids.
+            prior_hash: namespace seed (``hashing.namespace_seed``) or None.
+            max_pages: load at most this many pages.
+        Returns:
+            Pages queued (0: nothing stored, nothing queued, never reported); None when device
+            slots or host pages are short (nothing allocated, nothing queued).
+        Raises:
+            Closed: after ``close``. UnknownId: ``load_id`` pending.
+            hashing.TokenRangeError: a bad token id.
+        """
+        if self._closed:
+            raise Closed("prefix loader is closed")
+        if load_id in self._pending:
+            raise UnknownId(f"load id {load_id} is already pending")
+        hashes = self.lookup(tokens, prior_hash)[:max_pages]
+        if not hashes:
+            return 0
+        n_tokens = len(hashes) * self.page_size
+        slots = self.allocator.alloc(n_tokens)
+        if slots is None:
+            return None
+        host = self.host.alloc(n_tokens)
+        if host is None:
+            self.allocator.free(slots)
+            return None
+        ready = None
+        if self.kv.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.kv.device))
+        host_pages = self.host.pages_of(host)
+        self._pending[load_id] = _Pending(slots, host, hashes)
+        self._worker.submit(load_id, lambda: self._load(hashes, slots, host_pages, ready))
+        return len(hashes)
+
+    def _load(self, hashes: list[str], slots: torch.Tensor, host_pages: torch.Tensor,
+              ready: "torch.cuda.Event | None") -> int:
+        bufs = [self.host.page_bytes(p) for p in host_pages.tolist()]
+        got = self.storage.batch_get(hashes, bufs)
+        n = got.index(False) if False in got else len(got)
+        if n == 0:
+            return 0
+        plan = ChunkCopy(self.kv, self.host, slots[: n * self.page_size], host_pages[:n])
+        if ready is None:
+            plan.to_device()
+            return n
+        stream = torch.cuda.Stream(self.kv.device)
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            plan.to_device()
+        stream.synchronize()  # blocks this worker thread only
+        return n
+
+    def finished(self) -> list[PrefixLoad]:
+        """Loads finished since the last call. Never blocks."""
+        out = []
+        for done in self._worker.poll():
+            p = self._pending.pop(done.tag)
+            n = 0 if done.error is not None else done.value
+            self.host.free(p.host)
+            keep = n * self.page_size
+            if keep < p.slots.numel():
+                self.allocator.free(p.slots[keep:])
+            error = repr(done.error) if done.error is not None else (
+                None if n == len(p.hashes) else f"{len(p.hashes) - n} pages could not be read")
+            out.append(PrefixLoad(done.tag, n, p.slots[:keep], p.hashes[:n], error))
+        return out
+
+    def idle(self) -> bool:
+        """True when no load is in flight."""
+        return not self._pending
+
+    def close(self) -> None:
+        """Refuse new loads and let queued ones finish (still reported by ``finished``)."""
+        self._closed = True
+        self._worker.close()

@@ -1,0 +1,90 @@
+"""Background worker threads: run submitted jobs off the caller's thread, report completions by poll."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from transfer.errors import Closed
+
+
+class Done(msgspec.Struct, frozen=True):
+    """One finished job: its tag, the job's return value, and the exception it raised (or None)."""
+
+    tag: Any
+    value: Any = None
+    error: BaseException | None = None
+
+
+_STOP = object()
+
+
+class BackgroundWorker:
+    """``threads`` daemon threads consuming a FIFO of jobs; completions may finish out of order.
+
+    Args:
+        name: thread name prefix.
+        threads: worker threads, >= 1.
+    """
+
+    def __init__(self, name: str, threads: int = 1) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: deque[Done] = deque()
+        self._pending = 0
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            tag, fn = job
+            try:
+                self._done.append(Done(tag, fn()))
+            except BaseException as err:  # reported to the poller, never raised on this thread
+                self._done.append(Done(tag, error=err))
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet returned by ``poll``."""
+        return self._pending
+
+    def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
+        """Queue ``fn`` to run on a worker thread; ``poll`` reports ``tag`` when it has run.
+
+        Raises:
+            Closed: after ``close``.
+        """
+        if self._closed:
+            raise Closed("worker is closed")
+        self._pending += 1
+        self._jobs.put((tag, fn))
+
+    def poll(self) -> list[Done]:
+        """Jobs finished since the last call. Never blocks."""
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        self._pending -= len(out)
+        return out
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting work, let queued jobs finish, and join the threads. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for _ in self._threads:
+                self._jobs.put(_STOP)
+        for t in self._threads:
+            t.join(timeout)
