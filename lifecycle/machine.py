@@ -69,8 +69,7 @@ class LeanEvent(Event):
         plans = self._plans or self._compile()
         src = model.state if src is None else src
         for conds, _, dest, _, t in plans.get(src, ()):
-            fire = Fire(model, kwargs, self, t, src)
-            if all(func(fire) == target for func, target in conds):
+            if _passes(conds, Fire(model, kwargs, self, t, src)):
                 return dest
         return None
 
@@ -84,7 +83,7 @@ class LeanEvent(Event):
             )
         for conds, before, dest, after, t in options:
             fire = Fire(model, kwargs, self, t, src)
-            if all(func(fire) == target for func, target in conds):
+            if not conds or _passes(conds, fire):
                 for cb in before:
                     cb(fire)
                 model.state = dest
@@ -92,6 +91,13 @@ class LeanEvent(Event):
                     cb(fire)
                 return True
         raise InvalidTransition(model.rid, self.name, src.name, _guard_reason(model, self.name))
+
+
+def _passes(conds, fire) -> bool:
+    for func, target in conds:
+        if func(fire) != target:
+            return False
+    return True
 
 
 def _guard_reason(record, trigger: str) -> str:
@@ -128,9 +134,12 @@ def reset_progress(fire) -> None:
     kw["mgr"]._reset_progress(fire.model, kw["req"], kw["row"], kw["progress"])
 
 
+_BY_NAME = {s.name: s for s in State}
+
+
 def record_transition(fire) -> None:
     t = fire.transition
-    fire.kwargs["mgr"]._on_transition(fire.model, fire.event.name, State[t.source], State[t.dest])
+    fire.kwargs["mgr"]._on_transition(fire.model, fire.event.name, t.source, t.dest)
 
 
 CALLBACKS = {

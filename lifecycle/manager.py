@@ -8,6 +8,7 @@ module-level machine (``lifecycle.machine``); the per-step fast path fires nothi
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import weakref
 from collections import deque
@@ -108,7 +109,9 @@ class DecodeOffloadManager:
         self.tp_group = tp_group
         self._alloc_page = getattr(token_to_kv_pool_allocator, "page_size", None) or 1
         self._clock = clock
-        self._log = structlog.get_logger("lifecycle")
+        self._log = structlog.get_logger("lifecycle").bind()  # concrete: config taken now
+        enabled = getattr(self._log, "is_enabled_for", None)
+        self._debug = enabled(logging.DEBUG) if callable(enabled) else True
 
         self._records: dict[int, Record] = {}
         self._dropped: deque = deque()
@@ -117,7 +120,7 @@ class DecodeOffloadManager:
         self._landed: deque[int] = deque()
         self._stored: deque[int] = deque()
         self._ack_ids = itertools.count(1)
-        self._by_state = dict.fromkeys(State, 0)
+        self._by_name = dict.fromkeys(State.__members__, 0)
         self._released = self._leaked = self._host_short = 0
         self._chunks = self._pages = self._chunks_landed = self._storage_finished = 0
         self._closed = False
@@ -156,7 +159,7 @@ class DecodeOffloadManager:
         n_out = len(req.output_ids)
         if n_out == 0:
             return False
-        rec.slots = req.kv.kv_allocated_len
+        rec.slots = req.kv.kv_allocated_len  # for the leak report, should the request be dropped
         n_in = len(req.origin_input_ids)
         new = n_in - n_in % self.page_size
         new = n_in + n_out - 1 - new - rec.offload.inc_len
@@ -284,9 +287,9 @@ class DecodeOffloadManager:
     def stats(self) -> Stats:
         """Counters. ``tracked`` counts live requests not yet RELEASED."""
         self._drain_dropped()
-        by_state = {s.name: n for s, n in self._by_state.items()}
+        by_state = dict(self._by_name)
         return Stats(
-            tracked=sum(self._by_state.values()) - self._by_state[_RELEASED],
+            tracked=sum(by_state.values()) - by_state["RELEASED"],
             inflight_writes=len(self._ongoing),
             inflight_storage=len(self._storage_ops),
             released=self._released,
@@ -325,9 +328,9 @@ class DecodeOffloadManager:
             per_rec[id(chunk.rec)] = per_rec.get(id(chunk.rec), 0) + 1
             if chunk.rec.state not in (_INFLIGHT, _FINISHED):
                 problems.append(f"ack {ack} in flight for {chunk.rec.rid!r} in {chunk.rec.state.name}")
-        counts = dict.fromkeys(State, 0)
+        counts = dict.fromkeys(State.__members__, 0)
         for rec in list(self._records.values()):
-            counts[rec.state] += 1
+            counts[rec.state.name] += 1
             n = per_rec.pop(id(rec), 0)
             if rec.inflight != n:
                 problems.append(f"{rec.rid!r}: inflight {rec.inflight} but {n} chunks outstanding")
@@ -341,8 +344,8 @@ class DecodeOffloadManager:
                 problems.append(f"{rec.rid!r}: FINISHED with nothing in flight but not released")
         if per_rec:
             problems.append(f"{len(per_rec)} in-flight chunks belong to no live record")
-        if counts != self._by_state:
-            problems.append(f"state counters {self._by_state} disagree with records {counts}")
+        if counts != self._by_name:
+            problems.append(f"state counters {self._by_name} disagree with records {counts}")
         if problems:
             raise IntegrityError("; ".join(problems))
 
@@ -405,7 +408,7 @@ class DecodeOffloadManager:
         if old is not None:
             self._retire(old)
         self._records[id(req)] = rec
-        self._by_state[_PREFILLED] += 1
+        self._by_name["PREFILLED"] += 1
 
     def _drain_dropped(self) -> None:
         dropped = self._dropped
@@ -418,7 +421,7 @@ class DecodeOffloadManager:
     def _retire(self, rec: Record) -> None:
         """Forget a record whose request was dropped; report a leak unless it was released."""
         del self._records[rec.ref.key]
-        self._by_state[rec.state] -= 1
+        self._by_name[rec.state.name] -= 1
         if rec.state is not _RELEASED:
             self._leaked += 1
             rec.log.warning(audit.LEAKED, state=rec.state.name, slots=rec.slots)
@@ -427,6 +430,7 @@ class DecodeOffloadManager:
 
     def _enqueue_chunk(self, rec: Record, req, n: int) -> None:
         ps = self.page_size
+        rec.slots = req.kv.kv_allocated_len
         origin, out = req.origin_input_ids, req.output_ids
         n_in = len(origin)
         start = n_in - n_in % ps + rec.offload.inc_len
@@ -459,10 +463,11 @@ class DecodeOffloadManager:
         rec.offload.last_hash = chunk.page_hashes[-1]
         self._chunks += 1
         self._pages += len(chunk.page_hashes)
-        rec.log.debug(
-            audit.CHUNK_ENQUEUED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end,
-            pages=len(chunk.page_hashes), first_hash=chunk.page_hashes[0], last_hash=chunk.page_hashes[-1],
-        )
+        if self._debug:
+            rec.log.debug(
+                audit.CHUNK_ENQUEUED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end,
+                pages=len(chunk.page_hashes), first_hash=chunk.page_hashes[0], last_hash=chunk.page_hashes[-1],
+            )
 
     def _count_host_short(self, rec: Record, kwargs: dict) -> None:
         error = kwargs.get("error")
@@ -505,11 +510,12 @@ class DecodeOffloadManager:
         rec.generation += 1
         rec.log = self._log.bind(rid=rec.rid, row=row)
 
-    def _on_transition(self, rec: Record, trigger: str, src: State, dst: State) -> None:
-        by_state = self._by_state
+    def _on_transition(self, rec: Record, trigger: str, src: str, dst: str) -> None:
+        by_state = self._by_name
         by_state[src] -= 1
         by_state[dst] += 1
-        rec.log.debug(audit.TRANSITION, trigger=trigger, src=src.name, dst=dst.name)
+        if self._debug:
+            rec.log.debug(audit.TRANSITION, trigger=trigger, src=src, dst=dst)
 
     # --- completions -------------------------------------------------------------------------------
 
@@ -528,10 +534,11 @@ class DecodeOffloadManager:
                 op_id, rec.rid, chunk.ack_id, chunk.host, len(chunk.page_hashes),
                 chunk.page_hashes[0], chunk.page_hashes[-1],
             )
-        rec.log.debug(
-            audit.CHUNK_LANDED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end, op_id=op_id,
-            latency_s=round(self._clock() - chunk.enqueued_at, 6),
-        )
+        if self._debug:
+            rec.log.debug(
+                audit.CHUNK_LANDED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end, op_id=op_id,
+                latency_s=round(self._clock() - chunk.enqueued_at, 6),
+            )
         if rec.inflight:
             return
         if rec.state is _INFLIGHT:
@@ -544,10 +551,11 @@ class DecodeOffloadManager:
     def _on_stored(self, op: StorageOp) -> None:
         self.offloader.free_host(op.host)
         self._storage_finished += 1
-        self._log.debug(
-            audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,
-            first_hash=op.first_hash, last_hash=op.last_hash,
-        )
+        if self._debug:
+            self._log.debug(
+                audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,
+                first_hash=op.first_hash, last_hash=op.last_hash,
+            )
 
     def _agree(self, n_writes: int, n_stored: int) -> tuple[int, int]:
         import torch.distributed as dist

@@ -36,6 +36,8 @@ class State(enum.Enum):
     FINISHED = "FINISHED"
     RELEASED = "RELEASED"
 
+    __hash__ = object.__hash__  # members are singletons; skip Enum's Python-level hash
+
 
 INITIAL = State.PREFILLED
 TERMINAL = State.RELEASED

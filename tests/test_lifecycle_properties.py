@@ -91,7 +91,7 @@ class Lifecycles(RuleBasedStateMachine):
         m = self.mgr
         records = sorted((k, r.rid, r.state.name, r.row, r.inflight, r.offload.inc_len, r.offload.last_hash)
                          for k, r in m._records.items())
-        counters = (dict(m._by_state), m._released, m._leaked, m._host_short, m._chunks, m._chunks_landed)
+        counters = (dict(m._by_name), m._released, m._leaked, m._host_short, m._chunks, m._chunks_landed)
         return (records, counters, set(self.pools.held_pages), list(self.pools.free_rows),
                 sorted(m._ongoing), sorted(m._storage_ops), self.off.host_free_pages())
 
