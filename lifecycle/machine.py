@@ -114,7 +114,7 @@ def copies_in_flight(fire) -> bool:
 
 
 def enqueue_chunk(fire) -> None:
-    fire.kwargs["mgr"]._enqueue_chunk(fire.model, fire.kwargs["req"], fire.kwargs["n"])
+    fire.kwargs["mgr"]._enqueue_chunk(fire.model, fire.kwargs["req"], fire.kwargs["chunk"])
 
 
 def commit_chunk(fire) -> None:

@@ -94,6 +94,8 @@ class DecodeOffloadManager:
         rows = getattr(req_to_token_pool, "req_to_token", None)
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
             raise ConfigError("req_to_token_pool.req_to_token must be a 2-D tensor")
+        if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+            raise ConfigError(f"req_to_token_pool.req_to_token must hold integer slots, not {rows.dtype}")
         if not callable(getattr(req_to_token_pool, "free", None)):
             raise ConfigError("req_to_token_pool has no free(req)")
         if not callable(getattr(token_to_kv_pool_allocator, "free", None)):
@@ -165,8 +167,9 @@ class DecodeOffloadManager:
         new = n_in + n_out - 1 - new - rec.offload.inc_len
         if new < self.offload_stride:
             return False
+        chunk = self._plan_chunk(rec, req, new - new % self.offload_stride)
         before = rec.offload.inc_len
-        self._fire["offload"](rec, mgr=self, req=req, n=new - new % self.offload_stride)
+        self._fire["offload"](rec, mgr=self, req=req, chunk=chunk)
         return rec.offload.inc_len != before
 
     def check_offload_progress(self) -> None:
@@ -400,7 +403,7 @@ class DecodeOffloadManager:
         row = self._row_of(req)
         progress = self._initial_progress(req)
         ref = weakref.KeyedRef(req, self._dropped.append, id(req))
-        return Record(ref, req.rid, row, _PREFILLED, progress, self._log.bind(rid=req.rid, row=row),
+        return Record(ref, req.rid, row, _PREFILLED, progress, self._log.bind(rid=req.rid, row=row, gen=0),
                       slots=req.kv.kv_allocated_len)
 
     def _insert(self, rec: Record, req) -> None:
@@ -428,32 +431,49 @@ class DecodeOffloadManager:
 
     # --- work done by the machine's callbacks ------------------------------------------------------
 
-    def _enqueue_chunk(self, rec: Record, req, n: int) -> None:
+    def _plan_chunk(self, rec: Record, req, n: int) -> Chunk:
+        """The next chunk, fully checked before any state changes (slow path, once per chunk)."""
         ps = self.page_size
-        rec.slots = req.kv.kv_allocated_len
+        kv = req.kv
+        if kv.req_pool_idx != rec.row:
+            raise InvalidRequest(
+                f"request {rec.rid!r}: row changed from {rec.row} to {kv.req_pool_idx!r} without readmit"
+            )
         origin, out = req.origin_input_ids, req.output_ids
         n_in = len(origin)
         start = n_in - n_in % ps + rec.offload.inc_len
         end = start + n
+        committed = _committed(req)
+        if not isinstance(committed, int) or end > committed:
+            raise InvalidRequest(
+                f"request {rec.rid!r}: chunk [{start}, {end}) has tokens whose KV is not committed "
+                f"(committed {committed!r})"
+            )
+        width = self.req_to_token_pool.req_to_token.shape[1]
+        if end > width:
+            raise InvalidRequest(f"request {rec.rid!r}: chunk end {end} exceeds the row width {width}")
         if end <= n_in:
             tokens = list(origin[start:end])
         elif start >= n_in:
             tokens = list(out[start - n_in : end - n_in])
         else:
             tokens = list(origin[start:]) + list(out[: end - n_in])
-        ack = None
+        hashes = page_hashes(tokens, ps, rec.offload.last_hash)
+        rec.slots = kv.kv_allocated_len
+        return Chunk(0, req, rec, start, end, None, tokens, hashes, 0.0)
+
+    def _enqueue_chunk(self, rec: Record, req, chunk: Chunk) -> None:
         try:
-            hashes = page_hashes(tokens, ps, rec.offload.last_hash)
-            indices = self.req_to_token_pool.req_to_token[rec.row, start:end].to(torch.int64, copy=True)
+            indices = self.req_to_token_pool.req_to_token[rec.row, chunk.start : chunk.end].to(torch.int64, copy=True)
             ack = next(self._ack_ids)
             host = self.offloader.write(indices, ack)
         except BaseException as err:
-            self._fire["host_short"](rec, mgr=self, req=req, start=start, end=end, error=err)
+            self._fire["host_short"](rec, mgr=self, req=req, start=chunk.start, end=chunk.end, error=err)
             raise
         if host is None:
-            self._fire["host_short"](rec, mgr=self, req=req, start=start, end=end)
+            self._fire["host_short"](rec, mgr=self, req=req, start=chunk.start, end=chunk.end)
             return
-        chunk = Chunk(ack, req, rec, start, end, host, tokens, hashes, self._clock())
+        chunk.ack_id, chunk.host, chunk.enqueued_at = ack, host, self._clock()
         self._fire["enqueued"](rec, mgr=self, req=req, chunk=chunk)
 
     def _commit_chunk(self, rec: Record, chunk: Chunk) -> None:
@@ -479,8 +499,7 @@ class DecodeOffloadManager:
 
     def _release_ranges(self, req, row: int) -> list[tuple[int, int]]:
         kv = req.kv
-        effective = getattr(req, "effective_kv_committed_len", None)
-        committed = effective() if callable(effective) else kv.kv_committed_len
+        committed = _committed(req)
         allocated = kv.kv_allocated_len
         width = self.req_to_token_pool.req_to_token.shape[1]
         for name, value in (("committed", committed), ("allocated", allocated)):
@@ -503,12 +522,15 @@ class DecodeOffloadManager:
             self.token_to_kv_pool_allocator.free(slots[start:end].to(torch.int64, copy=True))
         self.req_to_token_pool.free(req)
         self._released += 1
-        rec.log.info(audit.RELEASED, ranges=ranges, slots=sum(e - s for s, e in ranges))
+        effective = getattr(req, "effective_kv_committed_len", None)
+        committed = effective() if callable(effective) else req.kv.kv_committed_len
+        rec.log.info(audit.RELEASED, ranges=ranges, slots=sum(e - s for s, e in ranges),
+                     committed=committed, allocated=req.kv.kv_allocated_len)
 
     def _reset_progress(self, rec: Record, req, row: int, progress: OffloadedState) -> None:
         rec.row, rec.offload, rec.slots = row, progress, req.kv.kv_allocated_len
         rec.generation += 1
-        rec.log = self._log.bind(rid=rec.rid, row=row)
+        rec.log = self._log.bind(rid=rec.rid, row=row, gen=rec.generation)
 
     def _on_transition(self, rec: Record, trigger: str, src: str, dst: str) -> None:
         by_state = self._by_name
@@ -576,3 +598,8 @@ class DecodeOffloadManager:
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosed("the manager was shut down")
+
+
+def _committed(req) -> int:
+    effective = getattr(req, "effective_kv_committed_len", None)
+    return effective() if callable(effective) else req.kv.kv_committed_len

@@ -340,7 +340,7 @@ def test_dropped_live_request_is_reported_as_a_leak(capsys):
         gc.collect()
         assert node.mgr.stats().leaked == 1
     leak = [e for e in logs if e["event"] == "lifecycle.leaked"]
-    assert leak == [dict(event="lifecycle.leaked", log_level="warning", rid="lost", row=3, state="PREFILLED", slots=6)]
+    assert leak == [dict(event="lifecycle.leaked", log_level="warning", rid="lost", row=3, gen=0, state="PREFILLED", slots=6)]
     assert node.mgr.stats().tracked == 0
 
 
@@ -478,3 +478,37 @@ def test_strict_doubles_catch_a_double_free():
     with pytest.raises(DoubleFree):
         node.alloc.free(torch.tensor([0, 1], dtype=torch.int64))
         node.alloc.free(torch.tensor([2], dtype=torch.int64))
+
+
+def test_a_bad_chunk_is_refused_before_any_state_change():
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    node.mgr.offload_kv_cache(req)
+    for t in (0, 1, 2**32):                      # a token id out of range...
+        req.decode(t)
+        node.mgr.offload_kv_cache(req)
+    req.decode(5)                                # ...whose KV now fills the page
+    before = frozen(node, req)
+    from hashing import TokenRangeError
+
+    with pytest.raises(TokenRangeError, match="position 3"):
+        node.mgr.offload_kv_cache(req)
+    assert frozen(node, req) == before
+    req.output_ids[-2] = 3
+    req.kv.kv_committed_len -= 1                 # KV of the page's last token is not written
+    with pytest.raises(InvalidRequest, match="not committed"):
+        node.mgr.offload_kv_cache(req)
+    req.kv.kv_committed_len += 1
+    req.kv.req_pool_idx = 5                      # the row moved without readmit
+    with pytest.raises(InvalidRequest, match="row changed from 0 to 5 without readmit"):
+        node.mgr.offload_kv_cache(req)
+    assert frozen(node, req) == before
+    req.kv.req_pool_idx = 0
+    assert node.mgr.offload_kv_cache(req) is True
+
+
+def test_float_req_to_token_is_a_config_error():
+    node = Node()
+    node.pool.req_to_token = node.pool.req_to_token.float()
+    with pytest.raises(ConfigError, match="integer slots"):
+        DecodeOffloadManager(node.pool, node.alloc, page_size=4, offloader=node.off)
