@@ -119,8 +119,8 @@ class DecodeOffloadManager:
         self._dropped: deque = deque()
         self._ongoing: dict[int, Chunk] = {}
         self._storage_ops: dict[int, StorageOp] = {}
-        self._landed: deque[int] = deque()
-        self._stored: deque[int] = deque()
+        self._landed: set[int] = set()   # reported by the offloader, not yet settled
+        self._stored: set[int] = set()
         self._ack_ids = itertools.count(1)
         self._by_name = dict.fromkeys(State.__members__, 0)
         self._released = self._leaked = self._host_short = 0
@@ -175,31 +175,35 @@ class DecodeOffloadManager:
     def check_offload_progress(self) -> None:
         """Settle landed copies and finished storage ops; release finished requests. Never blocks.
 
+        With a ``tp_group``, ranks first agree (MIN across ranks) on how many completions to act
+        on, counted as the prefix of work in issue order that has completed, and act on exactly
+        those: every rank settles the same copies in the same order, whatever order they landed
+        in locally. Without one, every completion reported so far is settled.
+
         Raises:
             UnknownCompletion: the offloader reported an id never issued (after settling the rest).
         """
         self._check_open()
         self._drain_dropped()
-        self._landed.extend(self.offloader.finished_writes())
-        self._stored.extend(self.offloader.finished_storage())
-        n_writes, n_stored = len(self._landed), len(self._stored)
-        if self.tp_group is not None:
-            n_writes, n_stored = self._agree(n_writes, n_stored)
-        unknown = []
-        for _ in range(n_writes):
-            ack = self._landed.popleft()
-            chunk = self._ongoing.pop(ack, None)
-            if chunk is None:
-                unknown.append(("ack", ack))
-            else:
-                self._on_landed(chunk)
-        for _ in range(n_stored):
-            op_id = self._stored.popleft()
-            op = self._storage_ops.pop(op_id, None)
-            if op is None:
-                unknown.append(("op", op_id))
-            else:
-                self._on_stored(op)
+        landed, stored = self._landed, self._stored
+        landed.update(self.offloader.finished_writes())
+        stored.update(self.offloader.finished_storage())
+        unknown = [("ack", a) for a in landed if a not in self._ongoing]
+        unknown += [("op", o) for o in stored if o not in self._storage_ops]
+        for kind, i in unknown:
+            (landed if kind == "ack" else stored).discard(i)
+        if self.tp_group is None:
+            acks, ops = list(landed), list(stored)
+        else:
+            acks, ops = _done_prefix(self._ongoing, landed), _done_prefix(self._storage_ops, stored)
+            n_writes, n_stored = self._agree(len(acks), len(ops))
+            acks, ops = acks[:n_writes], ops[:n_stored]
+        for ack in acks:
+            landed.discard(ack)
+            self._on_landed(self._ongoing.pop(ack))
+        for op_id in ops:
+            stored.discard(op_id)
+            self._on_stored(self._storage_ops.pop(op_id))
         if unknown:
             raise UnknownCompletion(f"offloader reported ids never issued or already settled: {unknown}")
 
@@ -603,3 +607,13 @@ class DecodeOffloadManager:
 def _committed(req) -> int:
     effective = getattr(req, "effective_kv_committed_len", None)
     return effective() if callable(effective) else req.kv.kv_committed_len
+
+
+def _done_prefix(table: dict, done: set) -> list:
+    """Keys of ``table`` (in issue order) up to the first one not in ``done``."""
+    prefix = []
+    for key in table:
+        if key not in done:
+            break
+        prefix.append(key)
+    return prefix
