@@ -7,6 +7,7 @@ module-level machine (``lifecycle.machine``); the per-step fast path fires nothi
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -372,6 +373,35 @@ class DecodeOffloadManager:
         close = getattr(self.offloader, "close", None)
         if callable(close):
             close()
+
+    def __deepcopy__(self, memo) -> "DecodeOffloadManager":
+        """An independent copy of the manager and everything it refers to, requests included.
+
+        Records are re-keyed to the copied requests (they are keyed by identity, weakly), so a copy
+        can be driven on its own: used to explore what-if orderings (tests/lifecycle_model.py).
+        The logger, clock, TP group and machine are shared.
+        """
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        shared = {"_log", "_clock", "tp_group", "_fire", "_records", "_dropped"}
+        new._log, new._clock, new.tp_group, new._fire = self._log, self._clock, self.tp_group, self._fire
+        new._dropped = deque()
+        new._records = {}
+        for rec in list(self._records.values()):
+            req = rec.ref()
+            if req is None:
+                continue
+            twin = copy.deepcopy(req, memo)
+            clone = msgspec.structs.replace(
+                rec, ref=weakref.KeyedRef(twin, new._dropped.append, id(twin)),
+                offload=msgspec.structs.replace(rec.offload),
+            )
+            memo[id(rec)] = clone
+            new._records[id(twin)] = clone
+        for key, value in self.__dict__.items():
+            if key not in shared:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
 
     # --- records -----------------------------------------------------------------------------------
 

@@ -11,62 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hashing import page_hashes
 from lifecycle import DecodeOffloadManager, InvalidTransition, State
-from tests.doubles import DoubleFree, Req
-from transfer import InMemoryOffloader
-
-ROWS, WIDTH = 6, 64
-
-
-class TrackingOffloader(InMemoryOffloader):
-    """Remembers which device slots each pending copy reads."""
-
-    def __init__(self, **kw):
-        super().__init__(**kw)
-        self.reading: dict[int, set[int]] = {}
-
-    def write(self, device_indices, ack_id):
-        host = super().write(device_indices, ack_id)
-        if host is not None:
-            self.reading[ack_id] = set(device_indices.tolist())
-        return host
-
-    def land(self, ack_ids=None):
-        ids = list(self.pending_writes) if ack_ids is None else list(ack_ids)
-        super().land(ids)
-        for ack in ids:
-            del self.reading[ack]
-
-
-class Pools:
-    """Rows and pages that must be freed exactly once, never under a pending copy."""
-
-    def __init__(self, page_size, offloader):
-        self.page_size = page_size
-        self.off = offloader
-        self.req_to_token = torch.arange(ROWS * WIDTH, dtype=torch.int32).reshape(ROWS, WIDTH)
-        self.free_rows = list(range(ROWS))
-        self.held_pages: set[int] = set()
-
-    def alloc_row(self):
-        row = self.free_rows.pop()
-        self.held_pages.update(range(row * WIDTH // self.page_size, (row + 1) * WIDTH // self.page_size))
-        return row
-
-    def free(self, arg):
-        if isinstance(arg, torch.Tensor):
-            slots = set(arg.tolist())
-            for ack, reading in self.off.reading.items():
-                assert not slots & reading, f"slots freed while copy {ack} reads them"
-            pages = {s // self.page_size for s in slots}
-            if not pages <= self.held_pages:
-                raise DoubleFree(f"pages {sorted(pages - self.held_pages)} freed twice")
-            self.held_pages -= pages
-        else:
-            row = arg.kv.req_pool_idx
-            if row in self.free_rows:
-                raise DoubleFree(f"row {row} freed twice")
-            self.free_rows.append(row)
-            arg.kv.req_pool_idx = None
+from tests.doubles import WIDTH, Pools, Req, TrackingOffloader
 
 
 class Lifecycles(RuleBasedStateMachine):
