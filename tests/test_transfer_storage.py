@@ -10,13 +10,43 @@ from transfer import FileStorage, MemoryStorage, PageSizeMismatch, StorageStats
 NB = 64
 
 
-@pytest.fixture(params=["memory", "file"])
+@pytest.fixture(params=["memory", "file", "redis"])
 def make(request, tmp_path):
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else None
+    built = []
+
     def build(**kw):
         if request.param == "memory":
-            return MemoryStorage("_m_0_1", NB, **kw)
-        return FileStorage(tmp_path / "store", "_m_0_1", NB, **kw)
-    return build
+            s = MemoryStorage("_m_0_1", NB, **kw)
+        elif request.param == "file":
+            s = FileStorage(tmp_path / "store", "_m_0_1", NB, **kw)
+        else:
+            from transfer.storage.redis import RedisStorage
+            s = RedisStorage(url, "_m_0_1", NB, **kw)
+        built.append(s)
+        return s
+
+    build.backend = request.param
+    yield build
+    for s in built:
+        s.close()
+
+
+def fail_writes(s, monkeypatch, calls):
+    """Make the backend's next write attempt fail once per attempt, recording attempts in ``calls``."""
+    if isinstance(s, (MemoryStorage, FileStorage)):
+        def boom(name, pg):
+            calls.append(name)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(s, "_write", boom)
+        return
+    import redis  # the redis backend: the server refuses the pipelined batch (as under maxmemory)
+
+    def refuse(pipe):
+        calls.append(pipe)
+        return [redis.exceptions.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+                for _ in pipe.command_stack]
+    monkeypatch.setattr(s, "_execute", refuse)
 
 
 def page(i):
@@ -83,11 +113,6 @@ def test_delete(make):
 def test_write_failure_counted_and_stops_batch(make, monkeypatch):
     s = make()
     calls = []
-
-    def boom(name, pg):
-        calls.append(name)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(s, "_write", boom)
+    fail_writes(s, monkeypatch, calls)
     assert s.batch_set(["a", "b"], [page(1), page(2)]) == [False, False]
     assert len(calls) == 1 and s.stats().errors == 1 and s.stats().pages == 0

@@ -26,7 +26,7 @@ from transfer.offloader import Offloader
 from transfer.prefix import PrefixLoad, PrefixLoader
 from transfer.req_pool import ReqToTokenPool
 from transfer.stack import TransferStack, build_stack
-from transfer.storage import FileStorage, MemoryStorage, Storage, StorageStats
+from transfer.storage import FileStorage, MemoryStorage, Storage, StorageStats, open_storage
 
 __all__ = [
     "BadIndices",
@@ -62,5 +62,14 @@ __all__ = [
     "UnknownId",
     "build_stack",
     "make_copy_engine",
+    "open_storage",
     "synthetic_kv",
 ]
+
+
+def __getattr__(name):  # RedisStorage imports the redis client only when used
+    if name == "RedisStorage":
+        from transfer.storage.redis import RedisStorage
+
+        return RedisStorage
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ from transfer.req_pool import ReqToTokenPool
 from transfer.storage.base import Storage
 from transfer.storage.file import FileStorage
 from transfer.storage.memory import MemoryStorage
+from transfer.storage.spec import is_redis_spec, open_storage
 
 
 @dataclass
@@ -55,6 +56,7 @@ def build_stack(
     tp_rank: int = 0,
     tp_size: int = 1,
     storage_capacity_bytes: int | None = None,
+    storage_ttl_s: float | None = None,
 ) -> TransferStack:
     """Build a stack.
 
@@ -64,13 +66,15 @@ def build_stack(
         device_tokens: allocatable device slots (the pool gets ``page_size`` more for padding).
         host_tokens: host pool capacity in tokens.
         rows, max_len: req-to-token pool shape.
-        storage: "memory", "file:DIR", or a ready ``Storage``.
+        storage: "memory", "file:DIR", "redis://HOST:PORT/DB" (Redis or Valkey), or a ready ``Storage``.
         device: "cpu" or "cuda".
         mla: latent-only KV.
         model_name, tp_rank, tp_size: name pages as SGLang does (``hashing.storage_suffix``).
         storage_capacity_bytes: LRU bound for a built backend.
+        storage_ttl_s: page expiry for a Redis backend (None: never).
     Raises:
-        ValueError: bad sizes or an unknown storage spec. StorageUnavailable: unwritable dir.
+        ValueError: bad sizes or an unknown storage spec. StorageUnavailable: unwritable dir, or
+        an unreachable Redis server.
     """
     kv = KVPool(layers, heads, head_dim, dtype, device_tokens + page_size, device=device, mla=mla)
     host = HostPool(layers, heads, head_dim, dtype, page_size, host_tokens, mla=mla)
@@ -83,8 +87,13 @@ def build_stack(
         elif isinstance(storage, str) and storage.startswith("file:") and len(storage) > 5:
             store = FileStorage(os.path.expanduser(storage[5:]), suffix, host.page_nbytes,
                                 storage_capacity_bytes)
+        elif is_redis_spec(storage):
+            store = open_storage(storage, suffix, host.page_nbytes, capacity_bytes=storage_capacity_bytes,
+                                 ttl_s=storage_ttl_s, page_dtype=dtype,
+                                 page_shape=tuple(host.buffer.shape[1:]))
         else:
-            raise ValueError(f"storage must be 'memory', 'file:DIR' or a Storage, got {storage!r}")
+            raise ValueError(
+                f"storage must be 'memory', 'file:DIR', 'redis://HOST:PORT/DB' or a Storage, got {storage!r}")
     allocator = PagedTokenAllocator(device_tokens, page_size)
     return TransferStack(
         kv_pool=kv,
