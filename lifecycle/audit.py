@@ -1,12 +1,20 @@
-"""Names of the structured audit events the manager logs (one place, so replay tools agree)."""
+"""Names of the structured audit events the manager logs (one place, so replay tools agree).
+
+Events about one request carry ``rid``, ``row`` and ``gen`` (its lifecycle generation: 0, then +1
+per ``readmit``), except ``stored`` and ``refused`` (``rid`` only). ``lifecycle.replay`` checks a log.
+"""
 
 TRANSITION = "lifecycle.transition"        # rid, trigger, src, dst
 CHUNK_ENQUEUED = "lifecycle.chunk_enqueued"  # rid, row, ack_id, start, end, pages, first_hash, last_hash
 CHUNK_LANDED = "lifecycle.chunk_landed"    # rid, row, ack_id, start, end, op_id, latency_s
 HOST_SHORT = "lifecycle.host_short"        # rid, row, start, end
 STORED = "lifecycle.stored"                # rid, op_id, ack_id, pages, first_hash, last_hash
-RELEASED = "lifecycle.released"            # rid, row, ranges, slots
+RELEASED = "lifecycle.released"            # rid, row, ranges, slots, committed, allocated
 LEAKED = "lifecycle.leaked"                # rid, row, slots, state
 REFUSED = "lifecycle.refused"              # rid, trigger, state, reason
+COPY_FAILED = "lifecycle.copy_failed"      # rid, row, ack_id, start, end (never stored)
+COPY_EXPIRED = "lifecycle.copy_expired"    # rid, row, ack_id, start, end, slots (quarantined)
+EXPIRED_COPY_ENDED = "lifecycle.expired_copy_ended"  # rid, ack_id, slots_freed
 
-ALL = (TRANSITION, CHUNK_ENQUEUED, CHUNK_LANDED, HOST_SHORT, STORED, RELEASED, LEAKED, REFUSED)
+ALL = (TRANSITION, CHUNK_ENQUEUED, CHUNK_LANDED, HOST_SHORT, STORED, RELEASED, LEAKED, REFUSED,
+       COPY_FAILED, COPY_EXPIRED, EXPIRED_COPY_ENDED)

@@ -33,6 +33,7 @@ from lifecycle.machine import EVENTS
 from lifecycle.records import (
     Chunk,
     OffloadedState,
+    Quarantine,
     Record,
     RecordView,
     Stats,
@@ -122,10 +123,15 @@ class DecodeOffloadManager:
         self._storage_ops: dict[int, StorageOp] = {}
         self._landed: set[int] = set()   # reported by the offloader, not yet settled
         self._stored: set[int] = set()
+        self._failed: set[int] = set()   # landed acks whose copy failed (never stored)
+        self._expired: dict[int, Quarantine] = {}  # copies past their deadline, maybe still reading
+        self._poll_expired = getattr(offloader, "expired_writes", None)
+        self._poll_failed = getattr(offloader, "failed_writes", None)
         self._ack_ids = itertools.count(1)
         self._by_name = dict.fromkeys(State.__members__, 0)
         self._released = self._leaked = self._host_short = 0
         self._chunks = self._pages = self._chunks_landed = self._storage_finished = 0
+        self._copies_expired = self._copy_failures = 0
         self._closed = False
         self._fire = {name: event.trigger for name, event in EVENTS.items()}
 
@@ -187,8 +193,18 @@ class DecodeOffloadManager:
         self._check_open()
         self._drain_dropped()
         landed, stored = self._landed, self._stored
+        if self._poll_failed is not None:
+            self._failed.update(self._poll_failed())
+        if self._poll_expired is not None:
+            for ack in self._poll_expired():
+                chunk = self._ongoing.pop(ack, None)
+                if chunk is not None:
+                    self._on_expired(chunk)
         landed.update(self.offloader.finished_writes())
         stored.update(self.offloader.finished_storage())
+        for ack in [a for a in landed if a in self._expired]:
+            landed.discard(ack)
+            self._on_expired_ended(self._expired.pop(ack))
         unknown = [("ack", a) for a in landed if a not in self._ongoing]
         unknown += [("op", o) for o in stored if o not in self._storage_ops]
         for kind, i in unknown:
@@ -308,11 +324,14 @@ class DecodeOffloadManager:
             chunks_landed=self._chunks_landed,
             storage_finished=self._storage_finished,
             host_short=self._host_short,
+            copies_expired=self._copies_expired,
+            copy_failures=self._copy_failures,
+            quarantined_slots=sum(q.slots.numel() for q in self._expired.values()),
         )
 
     def idle(self) -> bool:
         """True when no copy and no storage op is in flight."""
-        return not self._ongoing and not self._storage_ops and not self._landed and not self._stored
+        return not (self._ongoing or self._storage_ops or self._landed or self._stored or self._expired)
 
     def snapshot(self) -> bytes:
         """All live records, msgpack-encoded (``RecordView`` list), for debugging."""
@@ -552,14 +571,23 @@ class DecodeOffloadManager:
     def _free_memory(self, rec: Record, req) -> None:
         ranges = self._release_ranges(req, rec.row)
         slots = self.req_to_token_pool.req_to_token[rec.row]
+        held = [self._expired[a] for a in rec.expired or () if a in self._expired]
+        quarantined = torch.cat([q.slots for q in held]) if held else None
         for start, end in ranges:
-            self.token_to_kv_pool_allocator.free(slots[start:end].to(torch.int64, copy=True))
+            part = slots[start:end].to(torch.int64, copy=True)
+            if quarantined is not None:
+                part = part[~torch.isin(part, quarantined)]
+            if part.numel():
+                self.token_to_kv_pool_allocator.free(part)
+        for q in held:
+            q.released = True
+        rec.expired = None
         self.req_to_token_pool.free(req)
         self._released += 1
-        effective = getattr(req, "effective_kv_committed_len", None)
-        committed = effective() if callable(effective) else req.kv.kv_committed_len
+        committed = _committed(req)
         rec.log.info(audit.RELEASED, ranges=ranges, slots=sum(e - s for s, e in ranges),
-                     committed=committed, allocated=req.kv.kv_allocated_len)
+                     committed=committed, allocated=req.kv.kv_allocated_len,
+                     quarantined=0 if quarantined is None else quarantined.numel())
 
     def _reset_progress(self, rec: Record, req, row: int, progress: OffloadedState) -> None:
         rec.row, rec.offload, rec.slots = row, progress, req.kv.kv_allocated_len
@@ -580,6 +608,13 @@ class DecodeOffloadManager:
         rec.inflight -= 1
         self._chunks_landed += 1
         op_id = None
+        if chunk.ack_id in self._failed:
+            self._failed.discard(chunk.ack_id)
+            self._copy_failures += 1
+            rec.log.error(audit.COPY_FAILED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end)
+            self.offloader.free_host(chunk.host)
+            self._after_copy(rec, req)
+            return
         try:
             op_id = self.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes)
         except Exception as err:
@@ -595,6 +630,10 @@ class DecodeOffloadManager:
                 audit.CHUNK_LANDED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end, op_id=op_id,
                 latency_s=round(self._clock() - chunk.enqueued_at, 6),
             )
+        self._after_copy(rec, req)
+
+    def _after_copy(self, rec: Record, req) -> None:
+        """A copy of the request is no longer counted in flight: move on when it was the last."""
         if rec.inflight:
             return
         if rec.state is _INFLIGHT:
@@ -603,6 +642,27 @@ class DecodeOffloadManager:
                 self._release_finished_req(req)
         elif rec.state is _FINISHED:
             self._release_finished_req(req)
+
+    def _on_expired(self, chunk: Chunk) -> None:
+        """A copy passed its deadline: stop waiting for it, but quarantine the slots it may read."""
+        rec, req = chunk.rec, chunk.req
+        rec.inflight -= 1
+        self._copies_expired += 1
+        slots = self.req_to_token_pool.req_to_token[rec.row, chunk.start : chunk.end].to(torch.int64, copy=True)
+        self._expired[chunk.ack_id] = Quarantine(chunk.ack_id, rec.rid, chunk.host, slots)
+        rec.expired = (rec.expired or ()) + (chunk.ack_id,)
+        rec.log.error(audit.COPY_EXPIRED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end,
+                      slots=slots.numel())
+        chunk.req = None  # the quarantine keeps what it needs; the request may now go
+        self._after_copy(rec, req)
+
+    def _on_expired_ended(self, q: Quarantine) -> None:
+        """An expired copy finally ended: its host pages, and its slots if already released, go back."""
+        self.offloader.free_host(q.host)
+        if q.released:
+            self.token_to_kv_pool_allocator.free(q.slots)
+        self._log.warning(audit.EXPIRED_COPY_ENDED, rid=q.rid, ack_id=q.ack_id, slots_freed=q.slots.numel()
+                          if q.released else 0)
 
     def _on_stored(self, op: StorageOp) -> None:
         self.offloader.free_host(op.host)

@@ -30,6 +30,7 @@ class Record(msgspec.Struct, gc=False):
     inflight: int = 0
     slots: int = 0
     generation: int = 0
+    expired: tuple | None = None  # ack ids of this request's expired copies still quarantined
 
 
 class Chunk(msgspec.Struct):
@@ -58,6 +59,16 @@ class StorageOp(msgspec.Struct, gc=False):
     last_hash: str
 
 
+class Quarantine(msgspec.Struct, gc=False):
+    """An expired copy that may still read ``slots``: they are freed only once it ends."""
+
+    ack_id: int
+    rid: object
+    host: object
+    slots: object
+    released: bool = False
+
+
 class Stats(msgspec.Struct):
     """Counters; cheap to take at any time."""
 
@@ -72,6 +83,9 @@ class Stats(msgspec.Struct):
     chunks_landed: int
     storage_finished: int
     host_short: int
+    copies_expired: int = 0
+    copy_failures: int = 0
+    quarantined_slots: int = 0
 
 
 class RecordView(msgspec.Struct):

@@ -132,9 +132,18 @@ class Pools:
         self.free_rows = list(range(ROWS))
         self.held_pages: set[int] = set()
 
+    def _pages(self, row):
+        return range(row * WIDTH // self.page_size, (row + 1) * WIDTH // self.page_size)
+
+    def can_alloc(self):
+        """A row maps to fixed slots here, so a row is free only when none of its pages is held
+        (a quarantined page stays held after its row is freed, until the stuck copy ends)."""
+        return any(self.held_pages.isdisjoint(self._pages(r)) for r in self.free_rows)
+
     def alloc_row(self):
-        row = self.free_rows.pop()
-        self.held_pages.update(range(row * WIDTH // self.page_size, (row + 1) * WIDTH // self.page_size))
+        row = next(r for r in reversed(self.free_rows) if self.held_pages.isdisjoint(self._pages(r)))
+        self.free_rows.remove(row)
+        self.held_pages.update(self._pages(row))
         return row
 
     def free(self, arg):

@@ -107,7 +107,7 @@ class World:
                 out.append(("decode", i))
             if running:
                 out += [("finish", i), ("retract", i)] + ([("abort", i)] if self.cfg.aborts else [])
-            if state is State.RELEASED and self.retracted[i] and not self.readmitted[i] and self.pools.free_rows:
+            if state is State.RELEASED and self.retracted[i] and not self.readmitted[i] and self.pools.can_alloc():
                 out.append(("readmit", i))
         out += [("land", self._ack_owner(a)) for a in sorted(self.off.pending_writes)]
         out += [("store", self._op_owner(o)) for o in sorted(self.off.pending_storage)]

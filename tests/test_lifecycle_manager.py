@@ -512,3 +512,57 @@ def test_float_req_to_token_is_a_config_error():
     node.pool.req_to_token = node.pool.req_to_token.float()
     with pytest.raises(ConfigError, match="integer slots"):
         DecodeOffloadManager(node.pool, node.alloc, page_size=4, offloader=node.off)
+
+
+# --- failed and stuck copies ---------------------------------------------------------------------
+
+
+def test_a_failed_copy_is_never_stored_and_the_request_still_releases():
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    decode(node, req, 4)
+    req.finish()
+    node.mgr.finalize_release_on_finish(req)
+    node.off.fail([1])
+    node.mgr.check_offload_progress()
+    s = node.mgr.stats()
+    assert node.mgr.state_of(req) is R and s.copy_failures == 1 and s.inflight_storage == 0
+    assert node.off.pending_storage == {} and node.off.host_free_pages() == 1 << 12
+    assert node.alloc.freed_pages == [0, 1] and node.mgr.idle()
+
+
+def test_an_expired_copy_releases_the_request_but_quarantines_the_slots_it_reads():
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    decode(node, req, 8)                      # chunks [4, 8) ack 1 and [8, 12) ack 2
+    req.finish()
+    node.mgr.finalize_release_on_finish(req)
+    node.off.land([2])
+    node.off.expire([1])                      # ack 1 is stuck past its deadline
+    node.mgr.check_offload_progress()
+    s = node.mgr.stats()
+    assert node.mgr.state_of(req) is R and node.pool.freed_rows == [0]
+    assert node.alloc.freed_pages == [0, 2]   # page 1 ([4, 8)) is still read by the stuck copy
+    assert (s.copies_expired, s.quarantined_slots, node.mgr.idle()) == (1, 4, False)
+    node.mgr.check_integrity()
+    node.off.land([1])                        # the stuck copy finally ends
+    node.mgr.check_offload_progress()
+    assert sorted(node.alloc.freed_pages) == [0, 1, 2]
+    node.store_all()
+    assert node.mgr.idle() and node.mgr.stats().quarantined_slots == 0
+    assert node.off.host_free_pages() == 1 << 12 and len(node.off.stored) == 1   # only ack 2's page
+
+
+def test_an_expired_copy_of_a_live_request_returns_its_slots_to_the_request():
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    decode(node, req, 4)
+    node.off.expire([1])
+    node.mgr.check_offload_progress()
+    assert node.mgr.state_of(req) is P and node.mgr.stats().quarantined_slots == 4
+    node.off.land([1])
+    node.mgr.check_offload_progress()
+    assert node.mgr.stats().quarantined_slots == 0 and node.alloc.freed_pages == []
+    req.finish()
+    node.mgr.finalize_release_on_finish(req)
+    assert node.alloc.freed_pages == [0, 1]

@@ -25,6 +25,7 @@ class Lifecycles(RuleBasedStateMachine):
         self.mgr = DecodeOffloadManager(self.pools, self.pools, page_size=ps, offloader=self.off)
         self.reqs: list[Req] = []
         self.must_leak: list[weakref.ref] = []
+        self.expired: set[int] = set()
         self.n = 0
 
     # --- helpers
@@ -41,7 +42,7 @@ class Lifecycles(RuleBasedStateMachine):
                 sorted(m._ongoing), sorted(m._storage_ops), self.off.host_free_pages())
 
     # --- scheduler calls
-    @precondition(lambda self: self.pools.free_rows and len(self.reqs) < 5)
+    @precondition(lambda self: self.pools.can_alloc() and len(self.reqs) < 5)
     @rule(prompt=st.integers(1, 13), spec=st.sampled_from([0, 0, 3]))
     def admit(self, prompt, spec):
         self.n += 1
@@ -73,7 +74,7 @@ class Lifecycles(RuleBasedStateMachine):
     @rule(data=st.data())
     def readmit(self, data):
         back = [r for r in self.reqs if self.mgr.state_of(r) is State.RELEASED and not r.finished()]
-        if back and self.pools.free_rows:
+        if back and self.pools.can_alloc():
             req = data.draw(st.sampled_from(back))
             req.kv.req_pool_idx = self.pools.alloc_row()
             self.mgr.readmit(req)
@@ -82,6 +83,22 @@ class Lifecycles(RuleBasedStateMachine):
     def land_one(self, data):
         if self.off.pending_writes:
             self.off.land([data.draw(st.sampled_from(sorted(self.off.pending_writes)))])
+        self.mgr.check_offload_progress()
+
+    @rule(data=st.data())
+    def expire_one(self, data):
+        """A copy passes its deadline: the request may go on, its slots may not be freed yet."""
+        fresh = sorted(set(self.off.pending_writes) - self.expired)
+        if fresh:
+            ack = data.draw(st.sampled_from(fresh))
+            self.expired.add(ack)
+            self.off.expire([ack])
+        self.mgr.check_offload_progress()
+
+    @rule(data=st.data())
+    def fail_one(self, data):
+        if self.off.pending_writes:
+            self.off.fail([data.draw(st.sampled_from(sorted(self.off.pending_writes)))])
         self.mgr.check_offload_progress()
 
     @rule(data=st.data())

@@ -51,6 +51,8 @@ class InMemoryOffloader:
         )
         self.pending_writes: dict[int, torch.Tensor] = {}
         self._landed: list[int] = []
+        self._expired: list[int] = []
+        self._failed: list[int] = []
         self.pending_storage: dict[int, tuple[torch.Tensor, list[str]]] = {}
         self._stored_ops: list[int] = []
         self._op_ids = itertools.count(1)
@@ -95,6 +97,27 @@ class InMemoryOffloader:
         if self.auto_land:
             self.land()
         out, self._landed = self._landed, []
+        return out
+
+    def expire(self, ack_ids: Iterable[int]) -> None:
+        """Report pending copies as past their deadline; they stay pending until ``land``."""
+        for ack in ack_ids:
+            if ack not in self.pending_writes:
+                raise OffloaderMisuse(f"ack id {ack} is not pending")
+            self._expired.append(ack)
+
+    def expired_writes(self) -> list[int]:
+        out, self._expired = self._expired, []
+        return out
+
+    def fail(self, ack_ids: Iterable[int]) -> None:
+        """Land pending copies as failed: reported by ``finished_writes`` and ``failed_writes``."""
+        ids = list(ack_ids)
+        self.land(ids)
+        self._failed.extend(ids)
+
+    def failed_writes(self) -> list[int]:
+        out, self._failed = self._failed, []
         return out
 
     def write_storage(
