@@ -389,6 +389,7 @@ class DecodeOffloadManager:
                 f"shutdown with {len(self._ongoing)} copies and {len(self._storage_ops)} storage ops in flight"
             )
         self._closed = True
+        self.offload_kv_cache = self._closed_call  # shadows the method: no check on the fast path
         close = getattr(self.offloader, "close", None)
         if callable(close):
             close()
@@ -429,7 +430,7 @@ class DecodeOffloadManager:
         return rec if rec is not None and rec.ref() is req else None
 
     def _first_sight(self, req) -> Record | None:
-        self._check_open()
+        _check_shape(req)
         row = req.kv.req_pool_idx
         if row is None or row == -1 or len(req.output_ids) == 0:
             return None
@@ -453,7 +454,9 @@ class DecodeOffloadManager:
         return OffloadedState(0, names[-1] if names else self.namespace_seed)
 
     def _new_record(self, req) -> Record:
+        _check_shape(req)
         row = self._row_of(req)
+        _claims.check(req, self)
         progress = self._initial_progress(req)
         ref = weakref.KeyedRef(req, self._dropped.append, id(req))
         return Record(ref, req.rid, row, _PREFILLED, progress, self._log.bind(rid=req.rid, row=row, gen=0),
@@ -465,6 +468,7 @@ class DecodeOffloadManager:
             self._retire(old)
         self._records[id(req)] = rec
         self._by_name["PREFILLED"] += 1
+        _claims.claim(req, self)
 
     def _drain_dropped(self) -> None:
         dropped = self._dropped
@@ -503,8 +507,11 @@ class DecodeOffloadManager:
                 f"(committed {committed!r})"
             )
         width = self.req_to_token_pool.req_to_token.shape[1]
-        if end > width:
-            raise InvalidRequest(f"request {rec.rid!r}: chunk end {end} exceeds the row width {width}")
+        allocated = kv.kv_allocated_len
+        if not isinstance(allocated, int) or allocated < committed:
+            raise InvalidRequest(f"request {rec.rid!r}: committed {committed} > allocated {allocated!r}")
+        if allocated > width:
+            raise InvalidRequest(f"request {rec.rid!r}: allocated {allocated} exceeds the row width {width}")
         if end <= n_in:
             tokens = list(origin[start:end])
         elif start >= n_in:
@@ -689,6 +696,9 @@ class DecodeOffloadManager:
     def _refuse(self, rec: Record, trigger: str, reason: str):
         raise self._refusal(rec.rid, trigger, rec.state.name, reason)
 
+    def _closed_call(self, *args, **kwargs):
+        raise ManagerClosed("the manager was shut down")
+
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosed("the manager was shut down")
@@ -707,3 +717,49 @@ def _done_prefix(table: dict, done: set) -> list:
             break
         prefix.append(key)
     return prefix
+
+
+_SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
+_KV_SHAPE = ("req_pool_idx", "kv_committed_len", "kv_allocated_len")
+
+
+def _check_shape(req) -> None:
+    """First sight of a request: it must be SGLang-shaped."""
+    missing = [a for a in _SHAPE if not hasattr(req, a)]
+    kv = getattr(req, "kv", None)
+    missing += [f"kv.{a}" for a in _KV_SHAPE if kv is not None and not hasattr(kv, a)]
+    if missing:
+        raise InvalidRequest(f"{type(req).__name__} is not a request: it lacks {', '.join(missing)}")
+    if not callable(req.finished):
+        raise InvalidRequest(f"request {req.rid!r}: finished is not callable")
+
+
+class _Claims:
+    """Which manager holds each live request, so a request cannot be driven by two managers."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple] = {}
+
+    def check(self, req, mgr) -> None:
+        claim = self._by_id.get(id(req))
+        if claim is None or claim[0]() is not req:
+            return
+        owner = claim[1]()
+        if owner is None or owner is mgr:
+            return
+        rec = owner._lookup(req)
+        if rec is not None and rec.state is not _RELEASED:
+            raise InvalidRequest(
+                f"request {req.rid!r} belongs to another manager (state {rec.state.name} there)"
+            )
+
+    def claim(self, req, mgr) -> None:
+        self._by_id[id(req)] = (weakref.KeyedRef(req, self._forget, id(req)), weakref.ref(mgr))
+
+    def _forget(self, ref) -> None:
+        claim = self._by_id.get(ref.key)
+        if claim is not None and claim[0] is ref:
+            del self._by_id[ref.key]
+
+
+_claims = _Claims()
