@@ -1,8 +1,10 @@
 """FileStorage write throughput vs a raw sequential write of the same bytes, same run, same disk.
 
-The store writes one file per page (temp file + os.replace, no fsync); the baseline writes the same
-bytes to one file with one write per page, no fsync. Both run into fresh directories on the same
-filesystem. Run: .venv/bin/python bench/bench_file_store.py [DIR]
+The store writes one file per page (temp file + os.replace, no fsync) plus, by default, a crc32
+sidecar per page; the baseline writes the same bytes to one file with one write per page, no fsync.
+All run into fresh directories on the same filesystem, interleaved, and the median round is kept.
+Columns: the store with checksums (the default) and without (``checksum=False``).
+Run: .venv/bin/python bench/bench_file_store.py [DIR] [ROUNDS]
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def raw_write(path: str, pages: list[torch.Tensor]) -> float:
     return time.perf_counter() - t
 
 
-def store_write(directory: str, pages: list[torch.Tensor]) -> float:
-    store = FileStorage(directory, "_bench_0_1", PAGE_BYTES)
+def store_write(directory: str, pages: list[torch.Tensor], checksum: bool = True) -> float:
+    store = FileStorage(directory, "_bench_0_1", PAGE_BYTES, checksum=checksum)
     keys = [f"{i:064x}" for i in range(len(pages))]
     t = time.perf_counter()
     ok = store.batch_set(keys, pages)
@@ -44,20 +46,29 @@ def store_write(directory: str, pages: list[torch.Tensor]) -> float:
 
 def main() -> None:
     root = sys.argv[1] if len(sys.argv) > 1 else tempfile.gettempdir()
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     pages = [torch.randint(0, 256, (PAGE_BYTES,), dtype=torch.uint8) for _ in range(PAGES)]
     total = PAGE_BYTES * PAGES
     print(f"{PAGES} pages x {PAGE_BYTES / 2**20:.0f} MiB = {total / 2**30:.2f} GiB under {root}")
-    print(f"{'round':>5} {'raw sequential GB/s':>20} {'file store GB/s':>16} {'ratio':>6}")
-    for rnd in range(4):  # round 0 warms the page cache and allocator and is not printed
+    print(f"{'round':>5} {'raw GB/s':>9} {'store+crc GB/s':>15} {'ratio':>6} {'store no-crc GB/s':>18} {'ratio':>6}")
+    rows = []
+    for rnd in range(rounds + 1):  # round 0 warms the page cache and allocator and is not kept
         work = tempfile.mkdtemp(dir=root, prefix="kvbench-")
         try:
             raw = raw_write(os.path.join(work, "raw.bin"), pages)
             os.unlink(os.path.join(work, "raw.bin"))
-            st = store_write(os.path.join(work, "store"), pages)
+            crc = store_write(os.path.join(work, "crc"), pages, checksum=True)
+            shutil.rmtree(os.path.join(work, "crc"))
+            plain = store_write(os.path.join(work, "plain"), pages, checksum=False)
         finally:
             shutil.rmtree(work)
         if rnd:
-            print(f"{rnd:>5} {total / raw / 1e9:>20.2f} {total / st / 1e9:>16.2f} {raw / st:>6.2f}")
+            rows.append((raw / crc, raw / plain, raw, crc, plain))
+            print(f"{rnd:>5} {total / raw / 1e9:>9.2f} {total / crc / 1e9:>15.2f} {raw / crc:>6.2f}"
+                  f" {total / plain / 1e9:>18.2f} {raw / plain:>6.2f}")
+    rows.sort()
+    med = rows[len(rows) // 2]
+    print(f"median ratio: store+crc {med[0]:.2f}, store no-crc {sorted(r[1] for r in rows)[len(rows) // 2]:.2f}")
 
 
 if __name__ == "__main__":

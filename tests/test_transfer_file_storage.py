@@ -24,7 +24,7 @@ def test_files_named_like_hicachefile_with_raw_bytes(tmp_path):
     s.batch_set([h], [page(7)])
     path = tmp_path / f"{h}_org-model_1_2.bin"
     assert sorted(os.listdir(tmp_path)) == [path.name]
-    assert path.read_bytes() == bytes([7]) * NB
+    assert path.read_bytes() == bytes([7]) * NB  # raw page bytes; the crc32 is an xattr
 
 
 def test_no_torn_file_visible_during_write(tmp_path, monkeypatch):

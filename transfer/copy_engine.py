@@ -53,9 +53,14 @@ class CpuCopyEngine:
         """Copies finished since the last call (``Done.error`` set if one raised). Never blocks."""
         return self._worker.poll()
 
-    def close(self) -> None:
-        """Finish queued copies and stop the threads."""
-        self._worker.close()
+    def alive(self) -> bool:
+        """Whether a copy thread is still running (after a ``close`` that timed out)."""
+        return self._worker.alive()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish queued copies and stop the threads, waiting at most ``timeout`` s per thread
+        (None: until they end). A copy cannot be cancelled: a stuck thread is left running."""
+        self._worker.close(timeout)
 
 
 class CudaCopyEngine:
@@ -72,7 +77,7 @@ class CudaCopyEngine:
             raise RuntimeError("CudaCopyEngine needs CUDA")
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
-        self._inflight: list[tuple[Any, torch.cuda.Event, Any]] = []
+        self._inflight: list[tuple[Any, torch.cuda.Event, Any, BaseException | None]] = []
         self._closed = False
 
     @property
@@ -82,17 +87,23 @@ class CudaCopyEngine:
     def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
         """Launch ``fn`` on the copy stream after the compute stream's queued work.
 
-        Whatever ``fn`` returns is kept alive until the copy's event has fired.
+        Whatever ``fn`` returns is kept alive until the copy's event has fired. If ``fn`` raises
+        while launching, the tag is still reported once by ``poll``, with ``Done.error`` set (after
+        the event, so work it did launch has finished before the caller reuses anything).
         """
         if self._closed:
             raise Closed("copy engine is closed")
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         done = torch.cuda.Event()
+        error = None
         with torch.cuda.stream(self.stream):
-            keep = fn()
+            try:
+                keep = fn()
+            except Exception as err:  # reported through poll, like the CPU engine's worker
+                keep, error = None, err
             done.record(self.stream)
-        self._inflight.append((tag, done, keep))
+        self._inflight.append((tag, done, keep, error))
 
     def _launch(self, plan: ChunkCopy, run: Callable[[], None]) -> Callable[[], ChunkCopy]:
         def go() -> ChunkCopy:
@@ -111,10 +122,10 @@ class CudaCopyEngine:
     def poll(self) -> list[Done]:
         """Copies whose event has fired (``event.query()``); never synchronizes."""
         done, still = [], []
-        for tag, event, keep in self._inflight:
-            (done if event.query() else still).append((tag, event, keep))
+        for entry in self._inflight:
+            (done if entry[1].query() else still).append(entry)
         self._inflight = still
-        return [Done(tag) for tag, _, _ in done]
+        return [Done(tag, error=error) for tag, _, _, error in done]
 
     def close(self) -> None:
         """Wait for in-flight copies (shutdown only) and refuse new ones."""

@@ -6,18 +6,25 @@ completions through non-blocking polls. Every method is called from the schedule
 only run jobs and append to completion deques, so the caller is never blocked on a copy or on I/O.
 Storage failures (ENOSPC, EACCES, EIO ...) are logged, counted and reported as finished ops; the
 host pages stay the caller's, to be returned with ``free_host`` as the protocol says.
+
+Copy faults. A copy that raises is still reported once by ``finished_writes`` and also listed by
+``failed_writes`` (its host pages are poisoned: never stored). With ``write_timeout_s`` a copy still
+running that long after submission is *expired*: listed once by ``expired_writes`` and poisoned, but
+its device slots may still be read until ``finished_writes`` reports it (a copy cannot be
+cancelled, on a worker thread or on a CUDA stream), so the caller keeps them until then.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import msgspec
 import structlog
 import torch
 
-from transfer.copy_engine import CopyEngine, make_copy_engine
+from transfer.copy_engine import CopyEngine, CpuCopyEngine, make_copy_engine
 from transfer.errors import (
     BadIndices, Closed, HostPagesBusy, NotAllocated, StorageError, TransferError, UnknownId,
 )
@@ -37,6 +44,7 @@ class OffloaderStats(msgspec.Struct):
     writes_rejected: int = 0
     writes_landed: int = 0
     copy_failures: int = 0
+    copy_expired: int = 0
     storage_ops: int = 0
     storage_ok: int = 0
     storage_failed: int = 0
@@ -63,8 +71,11 @@ class HostOffloader:
         storage: where ``write_storage`` puts pages (keys = page hashes).
         copy_engine: default ``make_copy_engine(kv_pool.device)``.
         storage_threads: storage worker threads.
+        write_timeout_s: a copy not finished this many seconds after ``write`` submitted it is
+            reported by ``expired_writes`` (None: never).
+        clock: monotonic seconds, for the deadline (tests inject a fake one).
     Raises:
-        ValueError: pools of different shape or dtype.
+        ValueError: pools of different shape or dtype, or ``write_timeout_s <= 0``.
     """
 
     def __init__(
@@ -75,13 +86,21 @@ class HostOffloader:
         *,
         copy_engine: CopyEngine | None = None,
         storage_threads: int = 1,
+        write_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         check_compatible(kv_pool, host_pool)
+        if write_timeout_s is not None and not write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be > 0 or None, got {write_timeout_s}")
+        self.write_timeout_s, self._clock = write_timeout_s, clock
         self.kv, self.host, self.storage = kv_pool, host_pool, storage
         self.page_size = host_pool.page_size
         self.engine = copy_engine if copy_engine is not None else make_copy_engine(kv_pool.device)
         self._storage_worker = BackgroundWorker("kv-storage", storage_threads)
         self._writes: dict[int, torch.Tensor] = {}
+        self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
+        self._expired_acks: set[int] = set()  # expired, copy not yet ended
+        self._failed_writes: list[int] = []
         self._ops: dict[int, torch.Tensor] = {}
         self._op_ids = itertools.count(1)
         self._failed: list[int] = []
@@ -89,6 +108,7 @@ class HostOffloader:
         self._busy = torch.zeros(host_pool.num_pages, dtype=torch.int32)
         self._poisoned = torch.zeros(host_pool.num_pages, dtype=torch.bool)
         self._stats = OffloaderStats()
+        self._rejected_run = 0  # writes rejected since the last accepted one
         self._closed = False
 
     # -- device -> host -----------------------------------------------------------------------
@@ -112,27 +132,77 @@ class HostOffloader:
         host = self.host.alloc(slots.numel())
         if host is None:
             self._stats.writes_rejected += 1
+            self._rejected_run += 1
+            if self._rejected_run == 1:  # once per stretch of rejections, not once per poll
+                log.warning("offloader.host_exhausted", ack_id=ack_id, pages=int(pages.numel()),
+                            host_free_pages=self.host.available_size() // self.page_size)
             return None
+        if self._rejected_run:
+            log.info("offloader.host_recovered", rejected=self._rejected_run)
+            self._rejected_run = 0
         host_pages = self.host.pages_of(host)
-        self.engine.to_host(ack_id, self.kv, self.host, slots, host_pages)
+        try:
+            self.engine.to_host(ack_id, self.kv, self.host, slots, host_pages)
+        except BaseException:
+            self.host.free(host)  # nothing was enqueued: the pages go back, the ack is never reported
+            raise
         self._writes[ack_id] = host_pages
+        if self.write_timeout_s is not None:
+            self._deadlines[ack_id] = self._clock() + self.write_timeout_s
         self._landing[host_pages] += 1
         self._stats.writes += 1
         return host
 
     def finished_writes(self) -> list[int]:
-        """See ``Offloader.finished_writes``. A failed copy is reported too, its pages poisoned:
-        a later ``write_storage`` of them fails without writing."""
+        """See ``Offloader.finished_writes``. A copy that raised, or that had expired, is reported
+        too, listed by ``failed_writes``, and its pages poisoned: a later ``write_storage`` of them
+        fails without writing."""
         out = []
         for done in self.engine.poll():
             pages = self._writes.pop(done.tag)
+            self._deadlines.pop(done.tag, None)
+            expired = done.tag in self._expired_acks
+            self._expired_acks.discard(done.tag)
             self._landing[pages] -= 1
-            self._poisoned[pages] = done.error is not None
+            bad = done.error is not None or expired
+            self._poisoned[pages] = bad
             if done.error is not None:
                 self._stats.copy_failures += 1
-                log.error("offloader.copy_failed", ack_id=done.tag, error=repr(done.error))
+                log.error("offloader.copy_failed", ack_id=done.tag, expired=expired, error=repr(done.error))
+            elif expired:
+                log.warning("offloader.expired_copy_ended", ack_id=done.tag)
+            if bad:
+                self._failed_writes.append(done.tag)
             self._stats.writes_landed += 1
             out.append(done.tag)
+        return out
+
+    def failed_writes(self) -> list[int]:
+        """Optional extension (see ``transfer.offloader``): ack ids reported by ``finished_writes``
+        since the last call whose host pages must not be stored, because the copy raised or had
+        expired. Each is reported once; its host pages are the caller's to ``free_host``."""
+        out, self._failed_writes = self._failed_writes, []
+        return out
+
+    def expired_writes(self) -> list[int]:
+        """Optional extension (see ``transfer.offloader``): ack ids whose copy passed
+        ``write_timeout_s`` since submission without finishing, since the last call; each once.
+
+        The copy may still be reading its device slots: keep them until ``finished_writes``
+        reports the same ack (then it is also in ``failed_writes``). Never blocks.
+        """
+        if not self._deadlines:
+            return []
+        now, out = self._clock(), []
+        for ack, deadline in list(self._deadlines.items()):
+            if now >= deadline:
+                del self._deadlines[ack]
+                self._expired_acks.add(ack)
+                self._poisoned[self._writes[ack]] = True
+                self._stats.copy_expired += 1
+                log.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
+                          pages=int(self._writes[ack].numel()))
+                out.append(ack)
         return out
 
     # -- host -> storage ----------------------------------------------------------------------
@@ -163,8 +233,10 @@ class HostOffloader:
         op = next(self._op_ids)
         keys = list(page_hashes)
         if n and bool(self._poisoned[pages].any()):
+            log.error("offloader.store_refused", op_id=op, reason="host pages hold a failed or expired copy")
+
             def job() -> list[bool]:
-                raise StorageError("source host pages hold a failed copy")
+                raise StorageError("source host pages hold a failed or expired copy")
         else:
             bufs = [self.host.page_bytes(p) for p in pages.tolist()]
             def job() -> list[bool]:
@@ -223,9 +295,14 @@ class HostOffloader:
         s.host_free_pages = self.host.available_size() // self.page_size
         return s
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         """Refuse new work and drain: queued copies and storage ops run to completion (their ids
-        remain pollable). Idempotent."""
+        remain pollable). ``timeout_s`` bounds the wait for each worker (a stuck copy thread is
+        left behind, logged ``offloader.close_timed_out``); None waits. Idempotent."""
         self._closed = True
-        self.engine.close()
-        self._storage_worker.close()
+        cpu = isinstance(self.engine, CpuCopyEngine)
+        self.engine.close(timeout_s) if cpu else self.engine.close()  # a CUDA stream is synchronized
+        self._storage_worker.close(timeout_s)
+        if (cpu and self.engine.alive()) or self._storage_worker.alive():
+            log.error("offloader.close_timed_out", in_flight_writes=len(self._writes),
+                      in_flight_storage=len(self._ops))

@@ -3,6 +3,25 @@
 The lifecycle manager decides *what* to copy and *when* to free; an ``Offloader`` decides *how*
 bytes move. Work is named by ids the caller chooses (ack ids) or the offloader returns (op ids),
 and completions are polled, never waited on.
+
+Optional extensions (not part of the ``Offloader`` protocol: an offloader may lack them, so a caller
+looks them up with ``getattr(offloader, name, None)``; ``HostOffloader`` has both). They add
+information and change no contract of the protocol's methods:
+
+``expired_writes() -> list[int]``
+    Ack ids whose device -> host copy has not finished ``write_timeout_s`` after it was submitted,
+    since the last call; each ack at most once, never one already reported by
+    ``finished_writes``. Never blocks. An expired copy is not cancelled and may *still be reading
+    its device slots*: the caller must keep those slots allocated until the same ack is reported by
+    ``finished_writes`` (if the copy ever ends, successfully or not). That ack is then also listed
+    by ``failed_writes``: its host pages never hold a page worth storing (``write_storage`` of them
+    yields a failed op), and they are the caller's to ``free_host``.
+
+``failed_writes() -> list[int]``
+    Ack ids reported by ``finished_writes`` since the last call whose host pages must not be
+    stored: the copy raised, or it had expired. Each at most once, and only after (or in the same
+    poll as) ``finished_writes`` reported it. The caller skips ``write_storage`` for them and frees
+    their host pages; if it stores them anyway the op is reported failed and nothing is written.
 """
 
 from __future__ import annotations
@@ -26,6 +45,8 @@ class Offloader(Protocol):
           ``finished_storage`` exactly once, whether the op succeeded or failed.
         * Host pages returned by ``write`` belong to the caller until it passes them to
           ``free_host``.
+
+    See the module docstring for the optional ``expired_writes`` / ``failed_writes`` extensions.
     """
 
     def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:

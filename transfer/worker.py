@@ -80,8 +80,13 @@ class BackgroundWorker:
         self._pending -= len(out)
         return out
 
+    def alive(self) -> bool:
+        """Whether a worker thread is still running (e.g. after ``close`` timed out on a stuck job)."""
+        return any(t.is_alive() for t in self._threads)
+
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting work, let queued jobs finish, and join the threads. Idempotent."""
+        """Stop accepting work, let queued jobs finish, and join the threads, waiting at most
+        ``timeout`` s per thread (None: until they end; a stuck daemon thread is left). Idempotent."""
         if not self._closed:
             self._closed = True
             for _ in self._threads:

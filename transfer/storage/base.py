@@ -126,6 +126,11 @@ class IndexedStorage(Storage):
         """Size of ``name`` if stored by someone else since the index was built (default: None)."""
         return None
 
+    def _present(self, name: str) -> bool:
+        """Whether indexed ``name`` is still stored (a backend whose data can vanish behind the
+        index checks; default: True). False drops it from the index."""
+        return True
+
     # -- behaviour ----------------------------------------------------------------------------
     def _check(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
         if len(keys) != len(pages):
@@ -201,9 +206,14 @@ class IndexedStorage(Storage):
         for key in keys:
             name = key + self.suffix
             with self._lock:
-                if self._index.touch(name):
+                known = self._index.touch(name)
+            if known:
+                if self._present(name):
                     n += 1
                     continue
+                with self._lock:
+                    self._index.remove(name)
+                break
             size = self._probe(name)
             if size is None or (self.page_nbytes is not None and size != self.page_nbytes):
                 break
