@@ -193,17 +193,18 @@ class DecodeOffloadManager:
         self._check_open()
         self._drain_dropped()
         landed, stored = self._landed, self._stored
-        if self._poll_failed is not None:
-            self._failed.update(self._poll_failed())
         if self._poll_expired is not None:
             for ack in self._poll_expired():
                 chunk = self._ongoing.pop(ack, None)
                 if chunk is not None:
                     self._on_expired(chunk)
         landed.update(self.offloader.finished_writes())
+        if self._poll_failed is not None:   # a subset of what finished_writes just reported
+            self._failed.update(self._poll_failed())
         stored.update(self.offloader.finished_storage())
         for ack in [a for a in landed if a in self._expired]:
             landed.discard(ack)
+            self._failed.discard(ack)
             self._on_expired_ended(self._expired.pop(ack))
         unknown = [("ack", a) for a in landed if a not in self._ongoing]
         unknown += [("op", o) for o in stored if o not in self._storage_ops]
