@@ -51,8 +51,9 @@ class Storage(ABC):
         """Store ``pages[i]`` under ``keys[i]``; a key already stored is skipped (and is a success).
 
         Returns:
-            Per key, whether the page is stored afterwards. After the first failure the remaining
-            keys are not attempted (False): a chain is only useful up to its first gap.
+            Per key, whether the page is stored afterwards. Pages are independent: a failed page
+            does not stop the others (a backend may write them concurrently); each failure is
+            counted and logged.
         Raises:
             ValueError: ``len(keys) != len(pages)``. PageSizeMismatch: a page of the wrong size.
             Both are raised before anything is written.
@@ -155,6 +156,7 @@ class IndexedStorage(Storage):
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         self._check(keys, pages)
         results = [False] * len(keys)
+        todo = []
         for i, (key, page) in enumerate(zip(keys, pages)):
             name = key + self.suffix
             with self._lock:
@@ -162,19 +164,31 @@ class IndexedStorage(Storage):
                     self._stats.skipped += 1
                     results[i] = True
                     continue
-            try:
-                self._write(name, page)
-            except OSError as err:
+            todo.append((i, name, page))
+        for (i, name, page), err in zip(todo, self._write_many([(n, p) for _, n, p in todo])):
+            if err is not None:
                 with self._lock:
                     self._stats.errors += 1
                 log.error("storage.write_failed", name=name, errno=err.errno, error=str(err))
-                break
+                continue
             with self._lock:
                 evicted = self._index.add(name, _nbytes(page))
                 self._stats.stored += 1
             self._evict(evicted)
             results[i] = True
         return results
+
+    def _write_many(self, items: list[tuple[str, torch.Tensor]]) -> list[OSError | None]:
+        """Write each ``(name, page)``; per item, the OSError it failed with or None.
+        Default: one after the other; a backend may write them concurrently."""
+        errors: list[OSError | None] = []
+        for name, page in items:
+            try:
+                self._write(name, page)
+                errors.append(None)
+            except OSError as err:
+                errors.append(err)
+        return errors
 
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
         self._check(keys, into)

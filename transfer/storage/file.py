@@ -92,6 +92,7 @@ class FileStorage(IndexedStorage):
         checksum: keep a checksum with each page (an xattr of its file) and verify it on read.
         require_checksum: refuse (as a miss) a page with no checksum; default accepts it, counted
             ``unverified`` (pages written by SGLang's HiCacheFile have none).
+        write_threads: pages of one ``batch_set`` are written by this many threads at once.
     Raises:
         StorageUnavailable: the directory cannot be created or written.
     """
@@ -107,6 +108,7 @@ class FileStorage(IndexedStorage):
         stale_temp_s: float = 60.0,
         checksum: bool = True,
         require_checksum: bool = False,
+        write_threads: int = 2,
     ) -> None:
         super().__init__(suffix, page_nbytes, capacity_bytes, capacity_pages)
         self._stats = FileStorageStats()
@@ -114,6 +116,8 @@ class FileStorage(IndexedStorage):
         self.fsync, self.checksum, self.require_checksum = fsync, checksum, require_checksum
         self._warned_no_xattr = False
         self._crc_pool: ThreadPoolExecutor | None = None
+        self._writers: ThreadPoolExecutor | None = None
+        self.write_threads = write_threads
         self._crc_pool_lock = threading.Lock()
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -151,13 +155,13 @@ class FileStorage(IndexedStorage):
             evicted += self._index.add(name, size)
         self._evict(evicted)
 
-    def _write(self, name: str, page: torch.Tensor) -> None:
+    def _write(self, name: str, page: torch.Tensor, overlap: bool = True) -> None:
         final = self._path(name)
         tmp = os.path.join(self.directory, f".{name}.bin.{uuid.uuid4().hex}.tmp")
         data = memoryview(page.reshape(-1).view(torch.uint8).numpy()).cast("B")
         # the checksum releases the GIL (numpy): overlap it with the write on another core
         crc = self._crc_pool_get().submit(page_checksum, data) if (
-            self.checksum and data.nbytes >= _OVERLAP_BYTES) else None
+            overlap and self.checksum and data.nbytes >= _OVERLAP_BYTES) else None
         try:
             with open(tmp, "wb", buffering=0) as f:
                 _write_all(f, data)
@@ -175,6 +179,28 @@ class FileStorage(IndexedStorage):
             except OSError:
                 pass
             raise
+
+    def _write_many(self, items):
+        """Pages of a batch are written concurrently (the syscalls release the GIL): one file per
+        page costs per-file work that a single sequential file does not, and parallel writers
+        recover it."""
+        if len(items) < 2 or self.write_threads < 2:
+            return super()._write_many(items)
+
+        def one(item):
+            try:
+                self._write(*item, overlap=False)  # the writers already run in parallel
+            except OSError as err:
+                return err
+            return None
+
+        return list(self._writers_get().map(one, items))
+
+    def _writers_get(self) -> ThreadPoolExecutor:
+        with self._crc_pool_lock:
+            if self._writers is None:
+                self._writers = ThreadPoolExecutor(self.write_threads, thread_name_prefix="kv-file-write")
+            return self._writers
 
     def _set_checksum(self, fd: int, value: bytes) -> None:
         try:
@@ -194,11 +220,13 @@ class FileStorage(IndexedStorage):
             return self._crc_pool
 
     def close(self) -> None:
-        """Stop the checksum thread (if one was started)."""
+        """Stop the checksum and writer threads (if started)."""
         with self._crc_pool_lock:
-            pool, self._crc_pool = self._crc_pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools = (self._crc_pool, self._writers)
+            self._crc_pool = self._writers = None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def _count(self, field: str) -> None:
         with self._lock:
