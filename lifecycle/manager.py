@@ -155,6 +155,9 @@ class DecodeOffloadManager:
             no row or no output, or host memory is short.
         Raises:
             InvalidTransition: the request was finalized or released.
+            InvalidRequest: not SGLang-shaped, or a chunk with uncommitted KV, inconsistent lengths
+                or a row changed without ``readmit`` (checked before anything changes).
+            TokenRangeError: a token id of the chunk is not an int in 0..2**32-1.
             ManagerClosed: after ``shutdown``.
         """
         rec = self._records.get(id(req))
@@ -170,8 +173,8 @@ class DecodeOffloadManager:
             return False
         rec.slots = req.kv.kv_allocated_len  # for the leak report, should the request be dropped
         n_in = len(req.origin_input_ids)
-        new = n_in - n_in % self.page_size
-        new = n_in + n_out - 1 - new - rec.offload.inc_len
+        prefill = n_in - n_in % self.page_size          # derived, never stored
+        new = n_in + n_out - 1 - prefill - rec.offload.inc_len
         if new < self.offload_stride:
             return False
         chunk = self._plan_chunk(rec, req, new - new % self.offload_stride)
@@ -236,12 +239,12 @@ class DecodeOffloadManager:
         rec = self._lookup(req)
         if rec is None:
             rec = self._new_record(req)
-            self._release_ranges(req, rec.row)
+            self._release_ranges(req)
             self._insert(rec, req)
         else:
             if rec.state is not _PREFILLED and rec.state is not _INFLIGHT:
                 self._refuse(rec, "finish", "the request was already finalized or released")
-            self._release_ranges(req, rec.row)
+            self._release_ranges(req)
         self._fire["finish"](rec, mgr=self, req=req)
         if rec.inflight == 0:
             self._release_finished_req(req)
@@ -275,7 +278,7 @@ class DecodeOffloadManager:
             self._refuse(rec, "release", f"{rec.inflight} copies still in flight")
         if state is not _FINISHED and not req.finished():
             self._refuse(rec, "release", "the request is neither finished nor finalized")
-        self._release_ranges(req, rec.row)
+        self._release_ranges(req)
         if fresh:
             self._insert(rec, req)
         if state is not _FINISHED:
@@ -558,7 +561,7 @@ class DecodeOffloadManager:
         else:
             rec.log.error(audit.HOST_SHORT, start=kwargs["start"], end=kwargs["end"], error=repr(error))
 
-    def _release_ranges(self, req, row: int) -> list[tuple[int, int]]:
+    def _release_ranges(self, req) -> list[tuple[int, int]]:
         kv = req.kv
         committed = _committed(req)
         allocated = kv.kv_allocated_len
@@ -577,7 +580,7 @@ class DecodeOffloadManager:
         return ranges
 
     def _free_memory(self, rec: Record, req) -> None:
-        ranges = self._release_ranges(req, rec.row)
+        ranges = self._release_ranges(req)
         slots = self.req_to_token_pool.req_to_token[rec.row]
         held = [self._expired[a] for a in rec.expired or () if a in self._expired]
         quarantined = torch.cat([q.slots for q in held]) if held else None
