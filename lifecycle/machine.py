@@ -44,6 +44,7 @@ class LeanEvent(Event):
         self._plans = None
 
     def add_transition(self, transition):
+        """transitions' hook; invalidates the compiled plans."""
         super().add_transition(transition)
         self._plans = None
 
@@ -74,6 +75,14 @@ class LeanEvent(Event):
         return None
 
     def trigger(self, model, *args, **kwargs):
+        """Fire this event on ``model`` (a record); kwargs reach the callbacks as ``fire.kwargs``.
+
+        Returns:
+            True (a refused event raises instead of returning False).
+        Raises:
+            InvalidTransition: no transition from the record's state, or every guard failed;
+                nothing ran and the state is unchanged.
+        """
         plans = self._plans or self._compile()
         src = model.state
         options = plans.get(src)
@@ -110,26 +119,32 @@ def _guard_reason(record, trigger: str) -> str:
 
 
 def copies_in_flight(fire) -> bool:
+    """Guard: the request has GPU -> host copies still in flight."""
     return fire.model.inflight > 0
 
 
 def enqueue_chunk(fire) -> None:
+    """After ``offload``: hand the planned chunk to the offloader; fire ``enqueued`` or ``host_short``."""
     fire.kwargs["mgr"]._enqueue_chunk(fire.model, fire.kwargs["req"], fire.kwargs["chunk"])
 
 
 def commit_chunk(fire) -> None:
+    """Before ``enqueued``: record the chunk in flight and advance ``inc_len`` and ``last_hash``."""
     fire.kwargs["mgr"]._commit_chunk(fire.model, fire.kwargs["chunk"])
 
 
 def count_host_short(fire) -> None:
+    """After ``host_short``: count and log the refused (or failed) enqueue; nothing advanced."""
     fire.kwargs["mgr"]._count_host_short(fire.model, fire.kwargs)
 
 
 def free_memory(fire) -> None:
+    """Before ``release``: free the request's slots (minus quarantined ones) and its row."""
     fire.kwargs["mgr"]._free_memory(fire.model, fire.kwargs["req"])
 
 
 def reset_progress(fire) -> None:
+    """After ``readmit``: a new lifecycle on the new row, with fresh offload progress."""
     kw = fire.kwargs
     kw["mgr"]._reset_progress(fire.model, kw["req"], kw["row"], kw["progress"])
 
@@ -138,6 +153,7 @@ _BY_NAME = {s.name: s for s in State}
 
 
 def record_transition(fire) -> None:
+    """Machine-wide, before every state change: per-state counters and the audit event."""
     t = fire.transition
     fire.kwargs["mgr"]._on_transition(fire.model, fire.event.name, t.source, t.dest)
 

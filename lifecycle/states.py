@@ -30,6 +30,8 @@ import enum
 
 
 class State(enum.Enum):
+    """A request's lifecycle state (see the theory of operation above)."""
+
     PREFILLED = "PREFILLED"
     OFFLOADING = "OFFLOADING"
     INFLIGHT = "INFLIGHT"
