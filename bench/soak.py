@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/soak.py [--requests 100000] [--round 2000] [--seed 0] [--json PATH]
 
-One long-lived stack and manager (file storage in a temp dir) serve rounds of requests from the
+One long-lived stack and manager (file storage in a temp dir, LRU-bounded so its index does not
+grow without end) serve rounds of requests from the
 reference scheduler (``lifecycle.simulate``): short prompts and outputs on a tiny model so the
 lifecycle, not the arithmetic, is exercised. Faults, all random and seeded:
 
@@ -37,7 +38,10 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
-from lifecycle import simulate  # noqa: E402
+import torch  # noqa: E402
+
+from lifecycle import DecodeOffloadManager, simulate  # noqa: E402
+from transfer import build_stack  # noqa: E402
 
 
 def rss_mib() -> float:
@@ -77,6 +81,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--storage-fail", type=float, default=0.02)
     ap.add_argument("--copy-timeout", type=float, default=0.0005)
+    ap.add_argument("--store-capacity", type=int, default=16 << 20,
+                    help="LRU bound of the file store in bytes, so its index stays bounded too")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="kv-soak-")
@@ -87,7 +93,10 @@ def main() -> None:
         seed=args.seed, storage=f"file:{tmp.name}", reuse=False, verify="64", prefill_budget=4096,
     )
     plans, max_len = simulate.prepare(cfg)
-    stack, mgr = simulate.build(cfg, max_len)
+    stack = build_stack(cfg.layers, cfg.heads, cfg.head_dim, torch.float16, cfg.page_size, cfg.device_tokens,
+                        cfg.host_tokens, cfg.rows, max_len, storage=cfg.storage, model_name=cfg.model_name(),
+                        storage_capacity_bytes=args.store_capacity)
+    mgr = DecodeOffloadManager.from_stack(stack)
     rng = random.Random(args.seed)
     injected = [0]
     stack.storage.batch_set = flaky(stack.storage.batch_set, rng, args.storage_fail, injected)
