@@ -151,6 +151,8 @@ def per_chunk_us(n=20_000):
     total = 0.0
     for i in range(n):
         req.output_ids.extend(range(16))
+        req.kv.kv_committed_len += 16
+        req.kv.kv_allocated_len += 16
         t0 = time.perf_counter()
         mgr.offload_kv_cache(req)
         mgr.check_offload_progress()
