@@ -28,6 +28,9 @@ def slots_of_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return (pages.view(-1, 1) * page_size + offsets).reshape(-1)
 
 
+_SMALL = 1024  # slots: below this, validate in Python
+
+
 def pages_of_aligned(indices: torch.Tensor, page_size: int, what: str = "indices") -> torch.Tensor:
     """The pages of ``indices``, which must be whole pages, each page's slots consecutive in order.
 
@@ -40,6 +43,15 @@ def pages_of_aligned(indices: torch.Tensor, page_size: int, what: str = "indices
     idx = as_index_tensor(indices, what)
     if idx.numel() % page_size:
         raise BadIndices(f"{what}: {idx.numel()} slots is not a whole number of pages of {page_size}")
+    if idx.numel() <= _SMALL:  # a chunk: plain Python beats a handful of tiny tensor ops
+        slots = idx.tolist()
+        pages = []
+        for i in range(0, len(slots), page_size):
+            first = slots[i]
+            if first % page_size or slots[i : i + page_size] != list(range(first, first + page_size)):
+                raise BadIndices(f"{what} are not whole, page-aligned pages of {page_size} slots")
+            pages.append(first // page_size)
+        return torch.tensor(pages, dtype=torch.int64)
     grid = idx.view(-1, page_size)
     pages = grid[:, 0] // page_size
     if not torch.equal(grid, slots_of_pages(pages, page_size).view(-1, page_size)):
