@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dg = sub.add_parser("diagrams", help="write the lifecycle state diagrams")
     dg.add_argument("--out", default="diagrams", help="output directory (default diagrams/)")
+    dg.add_argument("--states-doc", default="docs/states.md",
+                    help="refresh the generated state table in this file when it exists (default docs/states.md)")
     return p
 
 
@@ -362,16 +364,22 @@ def cmd_audit(args) -> int:
 
 
 def cmd_diagrams(args) -> int:
-    try:
-        from lifecycle.diagrams import write_diagrams
-    except ImportError as err:
-        return _fail(f"diagrams are not available: {err}")
+    import shutil
+    from pathlib import Path
+
+    from lifecycle.diagrams import refresh_states_doc, write_diagrams
+
     try:
         paths = write_diagrams(args.out)
+        doc = Path(args.states_doc)
+        if doc.is_file() and refresh_states_doc(doc):
+            paths.append(doc)
     except OSError as err:
         return _fail(f"cannot write diagrams to {args.out!r}: {err.strerror or err}")
     for path in paths:
         print(path)
+    if shutil.which("dot") is None:
+        sys.stderr.write(f"{PROG}: Graphviz `dot` not found: SVG not rendered (apt-get install graphviz)\n")
     return 0
 
 

@@ -87,14 +87,15 @@ def test_audit_of_a_missing_file_and_a_bad_timeline_suffix(tmp_path, capsys):
     assert rc == 2 and ".svg or .mmd" in err
 
 
-def test_diagrams_command_prints_what_it_wrote(tmp_path, capsys, monkeypatch):
-    import types
+def test_diagrams_command_writes_the_diagrams_and_refreshes_the_state_table(tmp_path, capsys):
+    from lifecycle.diagrams import DOC_BEGIN, DOC_END
 
-    fake = types.ModuleType("lifecycle.diagrams")
-    fake.write_diagrams = lambda out: [Path(out) / "a.mmd", Path(out) / "b.svg"]
-    monkeypatch.setitem(sys.modules, "lifecycle.diagrams", fake)
-    rc, out, _ = run_main(["diagrams", "--out", str(tmp_path)], capsys)
-    assert rc == 0 and out.split() == [str(tmp_path / "a.mmd"), str(tmp_path / "b.svg")]
+    doc = tmp_path / "states.md"
+    doc.write_text(f"# states\n{DOC_BEGIN}\nstale\n{DOC_END}\n")
+    rc, out, _ = run_main(["diagrams", "--out", str(tmp_path / "d"), "--states-doc", str(doc)], capsys)
+    written = out.split()
+    assert rc == 0 and str(tmp_path / "d" / "request_lifecycle.mmd") in written and str(doc) in written
+    assert "stale" not in doc.read_text() and "| `offload` | PREFILLED | OFFLOADING |" in doc.read_text()
 
 
 def test_no_subcommand_and_help(capsys):
