@@ -566,3 +566,23 @@ def test_an_expired_copy_of_a_live_request_returns_its_slots_to_the_request():
     req.finish()
     node.mgr.finalize_release_on_finish(req)
     assert node.alloc.freed_pages == [0, 1]
+
+
+def test_sglang_style_mock_request_releases_committed_and_over_allocation():
+    """SGLang's own unit tests drive the manager with MagicMock requests; they work here too."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    node = Node(page_size=1)
+    req = MagicMock()
+    req.rid = 0
+    req.origin_input_ids = list(range(8))
+    req.output_ids = [1]
+    req.kv = SimpleNamespace(req_pool_idx=0, kv_committed_len=20, kv_allocated_len=28)
+    req.effective_kv_committed_len = lambda: 20
+    req.finished.return_value = True
+    node.mgr._release_finished_req(req)
+    assert [(int(c[0]), int(c[-1]) + 1) for c in node.alloc.calls] == [(0, 20), (20, 28)]
+    assert node.pool.freed_rows == [0] and node.mgr.state_of(req) is R
+    with pytest.raises(InvalidTransition, match="already released"):
+        node.mgr._release_finished_req(req)
