@@ -1,9 +1,14 @@
 """Batched KV movement between the device pool's slot layout and host pages (page-first).
 
-Both pools are viewed as 2-D "rows" of one (kind, layer, token) each, ``heads * head_dim`` values
+Both pools are viewed as "rows" of one (kind, layer, token) each, ``heads * head_dim`` values
 wide, reinterpreted as the widest integer type that divides a row (dtype-agnostic, fp8 included).
-A chunk's copy is one ``index_select`` (device -> host) or ``index_copy_`` (host -> device) per run
-of consecutive host pages, with a flat row index built in host order ``(page, kind, token, layer)``.
+
+* CUDA: one device ``index_select`` (a flat row index in host order ``(page, kind, token, layer)``)
+  into a staging buffer, then one async D2H copy per run of consecutive host pages (and the
+  reverse for loads): one gather launch per chunk.
+* CPU: one strided ``copy_`` per run of pages consecutive on both sides (the device pages' rows,
+  permuted ``(kind, layer, token) -> (page, kind, token, layer)``). On CPU this beats a row gather:
+  each copy moves whole ``page_size``-row blocks instead of looking up every row.
 """
 
 from __future__ import annotations
@@ -62,13 +67,18 @@ class ChunkCopy:
     def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor):
         self.kv, self.host = kv, host
         self.rows_per_page = kv.kinds * host.page_size * kv.layers
-        index = host_order_rows(kv, slots, host.page_size)
-        self.index = index.to(kv.device, non_blocking=True) if kv.device.type == "cuda" else index
+        self.index = (host_order_rows(kv, slots, host.page_size).to(kv.device, non_blocking=True)
+                      if kv.device.type == "cuda" else None)
         self.runs = page_runs(host_pages)
         word = row_word(kv.row_bytes, kv.buffer, host.buffer)
         self.dev_rows = word_rows(kv.buffer, kv.row_bytes, word)
         self.host_rows = word_rows(host.buffer, host.row_bytes, word)
         self.staging: torch.Tensor | None = None
+        if kv.device.type != "cuda":
+            ps = host.page_size
+            self.dev_blocks = self.dev_rows.view(kv.kinds, kv.layers, kv.slots, -1)
+            self.host_blocks = self.host_rows.view(host.num_pages, kv.kinds, ps, kv.layers, -1)
+            self.block_runs = _block_runs(slots.view(-1, ps)[:, 0].tolist(), host_pages.tolist(), ps)
 
     def _run_slices(self):
         rpp = self.rows_per_page
@@ -82,8 +92,8 @@ class ChunkCopy:
             for src, dst in self._run_slices():
                 self.host_rows[dst].copy_(self.staging[src], non_blocking=True)
             return
-        for src, dst in self._run_slices():
-            torch.index_select(self.dev_rows, 0, self.index[src], out=self.host_rows[dst])
+        for dev, host, n in self.block_runs:
+            self.host_blocks[host:host + n].copy_(self._dev_block(dev, n))
 
     def to_device(self) -> None:
         """Host -> device. On CUDA: async H2D per run into staging, then one device scatter."""
@@ -95,5 +105,23 @@ class ChunkCopy:
                 self.staging[src].copy_(self.host_rows[dst], non_blocking=True)
             self.dev_rows.index_copy_(0, self.index, self.staging)
             return
-        for src, dst in self._run_slices():
-            self.dev_rows.index_copy_(0, self.index[src], self.host_rows[dst])
+        for dev, host, n in self.block_runs:
+            self._dev_block(dev, n).copy_(self.host_blocks[host:host + n])
+
+    def _dev_block(self, first_slot: int, n_pages: int) -> torch.Tensor:
+        """``n_pages`` device pages from ``first_slot`` as ``[page, kind, token, layer, word]``."""
+        k, layers, _, w = self.dev_blocks.shape
+        ps = self.host.page_size
+        block = self.dev_blocks[:, :, first_slot:first_slot + n_pages * ps]
+        return block.reshape(k, layers, n_pages, ps, w).permute(2, 0, 3, 1, 4)
+
+
+def _block_runs(dev_starts: list[int], host_pages: list[int], page_size: int) -> list[tuple[int, int, int]]:
+    """Group page pairs into runs consecutive on both sides: ``(first device slot, first host page, n)``."""
+    runs: list[list[int]] = []
+    for dev, host in zip(dev_starts, host_pages):
+        if runs and dev == runs[-1][0] + runs[-1][2] * page_size and host == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([dev, host, 1])
+    return [tuple(r) for r in runs]
