@@ -89,6 +89,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor], page_nbytes: int | None) -> None:
+    """The arguments of a batch call, checked before anything is read or written.
+
+    Raises:
+        ValueError: lengths differ, an empty or non-str key, a page not a contiguous CPU tensor.
+        PageSizeMismatch: a page of another size than ``page_nbytes`` (when set).
+    """
+    if len(keys) != len(pages):
+        raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
+    for key, page in zip(keys, pages):
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"keys must be non-empty str, got {key!r}")
+        if not page.is_contiguous() or page.device.type != "cpu":
+            raise ValueError("pages must be contiguous CPU tensors")
+        if page_nbytes is not None and _nbytes(page) != page_nbytes:
+            raise PageSizeMismatch(f"page of {_nbytes(page)} bytes, expected {page_nbytes}")
+
+
 class IndexedStorage(Storage):
     """Shared behaviour over ``_write`` / ``_read`` / ``_remove`` primitives.
 
@@ -134,15 +152,7 @@ class IndexedStorage(Storage):
 
     # -- behaviour ----------------------------------------------------------------------------
     def _check(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        for key, page in zip(keys, pages):
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"keys must be non-empty str, got {key!r}")
-            if not page.is_contiguous() or page.device.type != "cpu":
-                raise ValueError("pages must be contiguous CPU tensors")
-            if self.page_nbytes is not None and _nbytes(page) != self.page_nbytes:
-                raise PageSizeMismatch(f"page of {_nbytes(page)} bytes, expected {self.page_nbytes}")
+        check_batch(keys, pages, self.page_nbytes)
 
     def _evict(self, names: list[str]) -> None:
         for name in names:

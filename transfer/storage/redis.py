@@ -45,8 +45,8 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from transfer.errors import PageSizeMismatch, StorageUnavailable
-from transfer.storage.base import Storage, StorageStats
+from transfer.errors import StorageUnavailable
+from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.lru import LruIndex
 
 log = structlog.get_logger(__name__)
@@ -207,18 +207,6 @@ class RedisStorage(Storage):
         with self._lock:
             self._stats.errors += 1
 
-    def _check(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
-        if len(keys) != len(pages):
-            raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-        for key, page in zip(keys, pages):
-            if not isinstance(key, str) or not key:
-                raise ValueError(f"keys must be non-empty str, got {key!r}")
-            if not page.is_contiguous() or page.device.type != "cpu":
-                raise ValueError("pages must be contiguous CPU tensors")
-            nbytes = page.numel() * page.element_size()
-            if self.page_nbytes is not None and nbytes != self.page_nbytes:
-                raise PageSizeMismatch(f"page of {nbytes} bytes, expected {self.page_nbytes}")
-
     def _batches(self, n: int, sizes: Sequence[int]):
         """Split ``range(n)`` into runs of at most ``pipeline_bytes`` page bytes (>= 1 page)."""
         start, total = 0, 0
@@ -244,7 +232,7 @@ class RedisStorage(Storage):
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_set``. Raises ``StorageUnavailable`` when the server is unreachable
         (pages of earlier round trips of the batch may be stored; the call reports none)."""
-        self._check(keys, pages)
+        check_batch(keys, pages, self.page_nbytes)
         n = len(keys)
         results = [False] * n
         sizes = [p.numel() * p.element_size() for p in pages]
@@ -285,7 +273,7 @@ class RedisStorage(Storage):
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_get``. A page failing its checks is a miss. Raises
         ``StorageUnavailable`` when the server is unreachable."""
-        self._check(keys, into)
+        check_batch(keys, into, self.page_nbytes)
         n = len(keys)
         results = [False] * n
         sizes = [t.numel() * t.element_size() for t in into]
