@@ -237,14 +237,15 @@ class DecodeOffloadManager:
         """
         self._check_open()
         rec = self._lookup(req)
-        if rec is None:
+        fresh = rec is None
+        if fresh:
+            _check_shape(req)
             rec = self._new_record(req)
-            self._release_ranges(req)
+        elif rec.state is not _PREFILLED and rec.state is not _INFLIGHT:
+            self._refuse(rec, "finish", "the request was already finalized or released")
+        self._release_ranges(req)
+        if fresh:
             self._insert(rec, req)
-        else:
-            if rec.state is not _PREFILLED and rec.state is not _INFLIGHT:
-                self._refuse(rec, "finish", "the request was already finalized or released")
-            self._release_ranges(req)
         self._fire["finish"](rec, mgr=self, req=req)
         if rec.inflight == 0:
             self._release_finished_req(req)
@@ -263,6 +264,7 @@ class DecodeOffloadManager:
         rec = self._lookup(req)
         fresh = rec is None
         if fresh:
+            _check_shape(req)
             if not req.finished():
                 raise self._refusal(
                     getattr(req, "rid", None), "release", "UNSEEN",
@@ -458,7 +460,7 @@ class DecodeOffloadManager:
         return OffloadedState(0, names[-1] if names else self.namespace_seed)
 
     def _new_record(self, req) -> Record:
-        _check_shape(req)
+        """A PREFILLED record for a request already checked by ``_check_shape``; not yet inserted."""
         row = self._row_of(req)
         _claims.check(req, self)
         progress = self._initial_progress(req)

@@ -108,6 +108,11 @@ def case_not_a_request(node):
     return lambda: node.mgr.offload_kv_cache(junk), InvalidRequest, "lacks origin_input_ids, kv, finished"
 
 
+def case_release_not_a_request(node):
+    junk = types.SimpleNamespace(rid="j", kv=types.SimpleNamespace(req_pool_idx=0))
+    return lambda: node.mgr._release_finished_req(junk), InvalidRequest, "lacks origin_input_ids"
+
+
 def case_unknown_ack(node):
     req = running(node, steps=3)
     node.off._landed.append(12345)
