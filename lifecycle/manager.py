@@ -666,7 +666,6 @@ class DecodeOffloadManager:
         rec.expired = (rec.expired or ()) + (chunk.ack_id,)
         rec.log.error(audit.COPY_EXPIRED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end,
                       slots=slots.numel())
-        chunk.req = None  # the quarantine keeps what it needs; the request may now go
         self._after_copy(rec, req)
 
     def _on_expired_ended(self, q: Quarantine) -> None:
