@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import redis  # noqa: E402
 
-from tests.redis_server import server_binary, start_server  # noqa: E402
+from lifecycle_tools.testkit.redis_server import server_binary, start_server  # noqa: E402
 from transfer.storage.redis import RedisStorage  # noqa: E402
 
 TOTAL = 64 << 20  # bytes moved per page size per direction per round

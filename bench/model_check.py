@@ -20,7 +20,7 @@ import structlog  # noqa: E402
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
-from tests.lifecycle_model import Config, explore  # noqa: E402
+from lifecycle_tools.testkit.lifecycle_model import Config, explore  # noqa: E402
 
 
 def main() -> None:

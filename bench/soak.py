@@ -4,7 +4,7 @@
 
 One long-lived stack and manager (file storage in a temp dir, LRU-bounded so its index does not
 grow without end) serve rounds of requests from the
-reference scheduler (``lifecycle.simulate``): short prompts and outputs on a tiny model so the
+reference scheduler (``lifecycle_tools.simulate``): short prompts and outputs on a tiny model so the
 lifecycle, not the arithmetic, is exercised. Faults, all random and seeded:
 
 * storage writes fail (``OSError(ENOSPC)`` from the store's ``batch_set``) with probability
@@ -40,7 +40,8 @@ structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.
 
 import torch  # noqa: E402
 
-from lifecycle import DecodeOffloadManager, simulate  # noqa: E402
+from lifecycle import DecodeOffloadManager  # noqa: E402
+from lifecycle_tools import simulate  # noqa: E402
 from transfer import build_stack  # noqa: E402
 
 

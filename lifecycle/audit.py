@@ -1,7 +1,7 @@
 """Names of the structured audit events the manager logs (one place, so replay tools agree).
 
 Events about one request carry ``rid``, ``row`` and ``gen`` (its lifecycle generation: 0, then +1
-per ``readmit``), except ``stored`` and ``refused`` (``rid`` only). ``lifecycle.replay`` checks a log.
+per ``readmit``), except ``stored`` and ``refused`` (``rid`` only). ``lifecycle_tools.replay`` checks a log.
 """
 
 TRANSITION = "lifecycle.transition"        # rid, trigger, src, dst

@@ -404,7 +404,7 @@ class DecodeOffloadManager:
         """An independent copy of the manager and everything it refers to, requests included.
 
         Records are re-keyed to the copied requests (they are keyed by identity, weakly), so a copy
-        can be driven on its own: used to explore what-if orderings (tests/lifecycle_model.py).
+        can be driven on its own: used to explore what-if orderings (lifecycle_tools/testkit/lifecycle_model.py).
         The logger, clock, TP group and machine are shared.
         """
         new = object.__new__(type(self))

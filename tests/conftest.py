@@ -2,9 +2,9 @@ import structlog
 import pytest
 
 from lifecycle import DecodeOffloadManager
-from tests.doubles import PagedAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.doubles import PagedAllocator, ReqToTokenPool
 from transfer import InMemoryOffloader
-from tests.redis_server import make_redis_server, redis_session_server, redis_url  # noqa: F401 (fixtures)
+from lifecycle_tools.testkit.redis_server import make_redis_server, redis_session_server, redis_url  # noqa: F401 (fixtures)
 
 
 class Node:

@@ -1,0 +1,121 @@
+"""The command line: bad flags and impossible configurations exit 2 with one line, before any work."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import structlog
+
+from lifecycle_tools.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def keep_structlog_config():
+    """``main`` configures structlog (it is the application); give the other tests theirs back."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+def run_main(argv, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as exit_:
+        rc = exit_.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+BAD = {
+    "negative count": ["--requests", "-1"],
+    "zero page size": ["--page-size", "0"],
+    "negative seed": ["--seed", "-3"],
+    "fraction above 1": ["--abort-frac", "2"],
+    "negative rate": ["--arrival-rate", "-1"],
+    "not a number": ["--layers", "many"],
+    "stride not a page multiple": ["--page-size", "16", "--stride", "24"],
+    "unknown dtype": ["--dtype", "fp7"],
+    "bad length distribution": ["--prompt-len", "9-3"],
+    "pool too small for one request": ["--device-tokens", "64"],
+    "device tokens not whole pages": ["--device-tokens", "1000"],
+    "host pool below one chunk": ["--host-tokens", "16", "--stride", "32"],
+    "fractions above 1 together": ["--abort-frac", "0.6", "--retract-frac", "0.6"],
+    "bad verify": ["--verify", "some"],
+    "unknown flag": ["--warp"],
+}
+
+
+@pytest.mark.parametrize("flags", BAD.values(), ids=BAD.keys())
+def test_bad_flags_exit_2_with_one_line(flags, capsys, tmp_path):
+    rc, out, err = run_main(["simulate", "--store", str(tmp_path / "s"), *flags], capsys)
+    assert rc == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and "error" in err, err
+    assert not (tmp_path / "s").exists()  # nothing was done
+
+
+def test_unwritable_store_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for store in (blocker, blocker / "sub"):
+        rc, out, err = run_main(["simulate", "--store", str(store), "--requests", "2"], capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "--store" in err, err
+
+
+def test_unreachable_redis_exits_2(capsys):
+    rc, out, err = run_main(["simulate", "--storage", "redis://127.0.0.1:1/0", "--requests", "2"], capsys)
+    assert rc == 2, (out, err)
+    assert len(err.strip().splitlines()) == 1 and "redis://127.0.0.1:1/0" in err, err
+
+
+def test_unwritable_outputs_exit_2(tmp_path, capsys):
+    for flag in ("--json", "--audit"):
+        rc, out, err = run_main(["simulate", "--store", str(tmp_path / "s"), flag, str(tmp_path / "no" / "x")],
+                                capsys)
+        assert rc == 2 and flag in err and len(err.strip().splitlines()) == 1
+
+
+def test_audit_of_a_missing_file_and_a_bad_timeline_suffix(tmp_path, capsys):
+    rc, _, err = run_main(["audit", str(tmp_path / "none.jsonl")], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    log = tmp_path / "empty.jsonl"
+    log.write_text("")
+    rc, _, err = run_main(["audit", str(log), "--timeline", str(tmp_path / "t.pdf")], capsys)
+    assert rc == 2 and ".svg or .mmd" in err
+
+
+def test_diagrams_command_writes_the_diagrams_and_refreshes_the_state_table(tmp_path, capsys):
+    from lifecycle_tools.diagrams import DOC_BEGIN, DOC_END
+
+    doc = tmp_path / "states.md"
+    doc.write_text(f"# states\n{DOC_BEGIN}\nstale\n{DOC_END}\n")
+    rc, out, _ = run_main(["diagrams", "--out", str(tmp_path / "d"), "--states-doc", str(doc)], capsys)
+    written = out.split()
+    assert rc == 0 and str(tmp_path / "d" / "request_lifecycle.mmd") in written and str(doc) in written
+    assert "stale" not in doc.read_text() and "| `offload` | PREFILLED | OFFLOADING |" in doc.read_text()
+
+
+def test_no_subcommand_and_help(capsys):
+    rc, _, err = run_main([], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    rc, out, _ = run_main(["simulate", "--help"], capsys)
+    assert rc == 0 and "--spec-tokens" in out and "--warm" in out
+
+
+@pytest.mark.parametrize("module", ["lifecycle_tools", "lifecycle"])
+def test_console_entry_point_runs_as_a_module(tmp_path, module):
+    proc = subprocess.run([sys.executable, "-m", module, "simulate", "--stride", "7",
+                           "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "kv-lifecycle: error: --stride 7 is not a positive multiple of --page-size 16"]
+
+
+def test_readme_first_command_is_simulate():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert block[0].endswith("&& .venv/bin/kv-lifecycle simulate")
+    assert block[1].endswith("&& .venv/bin/python -m pytest")

@@ -1,0 +1,93 @@
+import threading
+
+import pytest
+import torch
+
+from transfer import CpuCopyEngine, CudaCopyEngine, HostPool, KVPool, synthetic_kv
+from transfer.gather import page_runs
+from tests.support.transfer_helpers import drain
+
+DTYPES = [torch.bfloat16, torch.float32]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+
+
+def pools(dtype=torch.bfloat16, mla=False, device="cpu", ps=4):
+    heads = 1 if mla else 2
+    kv = KVPool(3, heads, 8, dtype, 64, device=device, mla=mla)
+    host = HostPool(3, heads, 8, dtype, ps, 32, mla=mla)
+    return kv, host
+
+
+def expected_page(kv, slots, ps):
+    """The page-first bytes of device ``slots`` (one page), built independently of the gather."""
+    vals = kv.read(slots).cpu()  # [kinds, layers, ps, heads, dim]
+    return vals.permute(0, 2, 1, 3, 4).contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mla", [False, True])
+def test_round_trip_device_host_device(dtype, mla):
+    kv, host = pools(dtype, mla)
+    eng = CpuCopyEngine()
+    slots = torch.arange(8, 20)  # 3 pages
+    kv.write(slots, synthetic_kv(kv, 3, torch.arange(12)))
+    hp = torch.tensor([5, 2, 3])  # non-consecutive host pages: two runs
+    eng.to_host("a", kv, host, slots, hp)
+    assert [d.tag for d in drain(eng.poll, 1)] == ["a"]
+    for i, p in enumerate(hp.tolist()):
+        want = expected_page(kv, slots[i * 4:(i + 1) * 4], 4)
+        assert torch.equal(host.page_view(p).view(torch.uint8), want)
+    dst = torch.arange(40, 52)
+    eng.to_device("b", kv, host, dst, hp)
+    assert [d.error for d in drain(eng.poll, 1)] == [None]
+    assert torch.equal(kv.read(dst).view(torch.uint8), kv.read(slots).view(torch.uint8))
+    eng.close()
+
+
+def test_completions_out_of_order_each_once():
+    kv, host = pools()
+    eng = CpuCopyEngine(threads=2)
+    gate = threading.Event()
+    eng.submit("slow", lambda: gate.wait(10))
+    kv.write(torch.arange(4, 8), synthetic_kv(kv, 1, torch.arange(4)))
+    eng.to_host("fast", kv, host, torch.arange(4, 8), torch.tensor([0]))
+    assert [d.tag for d in drain(eng.poll, 1)] == ["fast"]  # finished before the earlier job
+    assert eng.pending == 1
+    gate.set()
+    assert [d.tag for d in drain(eng.poll, 1)] == ["slow"]
+    assert eng.poll() == [] and eng.pending == 0
+    eng.close()
+
+
+def test_failed_job_is_reported_with_error():
+    eng = CpuCopyEngine(threads=1)
+    eng.submit("bad", lambda: 1 / 0)
+    (done,) = drain(eng.poll, 1)
+    assert done.tag == "bad" and isinstance(done.error, ZeroDivisionError)
+    eng.close()
+
+
+def test_page_runs():
+    assert page_runs(torch.tensor([3, 4, 5, 9, 1, 2])) == [(0, 3, 3), (3, 9, 1), (4, 1, 2)]
+    assert page_runs(torch.tensor([], dtype=torch.int64)) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_round_trip(dtype):
+    kv, host = pools(dtype, device="cuda")
+    assert host.pinned
+    eng = CudaCopyEngine()
+    slots = torch.arange(8, 20)
+    kv.write(slots, synthetic_kv(kv, 3, torch.arange(12)))
+    hp = torch.tensor([5, 2, 3])
+    eng.to_host("a", kv, host, slots, hp)
+    assert [d.tag for d in drain(eng.poll, 1)] == ["a"]
+    for i, p in enumerate(hp.tolist()):
+        assert torch.equal(host.page_view(p).view(torch.uint8), expected_page(kv, slots[i * 4:(i + 1) * 4], 4))
+    dst = torch.arange(40, 52)
+    eng.to_device("b", kv, host, dst, hp)
+    drain(eng.poll, 1)
+    assert torch.equal(kv.read(dst).view(torch.uint8), kv.read(slots).view(torch.uint8))
+    eng.close()

@@ -1,0 +1,244 @@
+"""The Redis/Valkey backend against a real ``redis-server``: integrity checks, typed unavailability,
+and a decode run through the whole stack and manager that survives the server going away."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+import structlog
+import torch
+
+import hashing
+from lifecycle import State
+from tests.support.decode_driver import DIM, HEADS, LAYERS, MAX_LEN, PS, ROWS, Scheduler
+from lifecycle_tools.testkit.redis_server import free_port
+from transfer import StorageUnavailable, build_stack, open_storage
+from transfer.storage.redis import HEADER_NBYTES, RedisStorage
+
+NB = 64
+
+
+def page(i: int) -> torch.Tensor:
+    return torch.full((NB,), i, dtype=torch.uint8)
+
+
+def raw_client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=5)
+
+
+# --- the backend alone -------------------------------------------------------------------------
+
+def test_unreachable_server_is_a_typed_one_line_error_and_fast():
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    t = time.monotonic()
+    with pytest.raises(StorageUnavailable) as err:
+        open_storage(url, "_m_0_1", NB)
+    assert time.monotonic() - t < 3.0
+    msg = str(err.value)
+    assert "\n" not in msg and url in msg and "unreachable" in msg
+    with pytest.raises(StorageUnavailable):
+        build_stack(1, 1, 4, torch.float16, 4, 16, 16, 1, 16, storage=url)
+
+
+def test_open_storage_specs(tmp_path, redis_url):
+    assert type(open_storage("memory", "_s", NB)).__name__ == "MemoryStorage"
+    assert type(open_storage(f"file:{tmp_path}", "_s", NB)).__name__ == "FileStorage"
+    s = open_storage(redis_url, "_s", NB)
+    assert isinstance(s, RedisStorage) and s.suffix == "_s"
+    s.close()
+    with pytest.raises(ValueError):
+        open_storage("redis", "_s", NB)
+
+
+def test_keys_follow_the_file_store_naming(redis_url):
+    s = RedisStorage(redis_url, hashing.storage_suffix("org/tiny", 1, 2), NB, page_dtype=torch.uint8,
+                     page_shape=(NB,))
+    h = hashing.page_hashes(list(range(4)), 4)[0]
+    s.batch_set([h], [page(7)])
+    c = raw_client(redis_url)
+    value = c.get(f"{h}_org-tiny_1_2")
+    assert value is not None and len(value) == HEADER_NBYTES + NB and value[HEADER_NBYTES:] == bytes([7]) * NB
+    c.close()
+    s.close()
+
+
+def test_other_clients_see_pages_without_local_state(redis_url):
+    a = RedisStorage(redis_url, "_m_0_1", NB)
+    b = RedisStorage(redis_url, "_m_0_1", NB)
+    other_rank = RedisStorage(redis_url, "_m_1_2", NB)
+    a.batch_set(["k1", "k2"], [page(1), page(2)])
+    assert b.batch_exists(["k1", "k2", "k3"]) == 2 and other_rank.batch_exists(["k1"]) == 0
+    out = [torch.empty(NB, dtype=torch.uint8) for _ in range(2)]
+    assert b.batch_get(["k2", "k1"], out) == [True, True]
+    assert torch.equal(out[0], page(2)) and torch.equal(out[1], page(1))
+    assert b.batch_set(["k1"], [page(9)]) == [True] and b.stats().skipped == 1  # first write wins
+    for s in (a, b, other_rank):
+        s.close()
+
+
+def test_corrupt_page_is_a_counted_miss_and_is_removed(redis_url):
+    s = RedisStorage(redis_url, "_m_0_1", NB)
+    s.batch_set(["a", "b"], [page(1), page(2)])
+    c = raw_client(redis_url)
+    c.setrange("a_m_0_1", HEADER_NBYTES + 5, b"\xff")  # flip a body byte: same size, bad checksum
+    c.set("b_m_0_1", b"not a page")  # foreign value
+    out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(2)]
+    assert s.batch_get(["a", "b"], out) == [False, False]
+    assert torch.equal(out[0], torch.zeros(NB, dtype=torch.uint8))  # nothing copied out
+    st = s.stats()
+    assert st.corrupt == 2 and st.misses == 2 and st.hits == 0
+    assert c.exists("a_m_0_1", "b_m_0_1") == 0  # so a later write can repair them
+    assert s.batch_set(["a"], [page(1)]) == [True] and s.batch_get(["a"], out[:1]) == [True]
+    assert torch.equal(out[0], page(1))
+    c.close()
+    s.close()
+
+
+def test_truncated_page_is_not_found(redis_url):
+    s = RedisStorage(redis_url, "_m_0_1", NB)
+    s.batch_set(["a", "b"], [page(1), page(2)])
+    c = raw_client(redis_url)
+    c.set("b_m_0_1", c.get("b_m_0_1")[:-1])
+    assert s.batch_exists(["a", "b"]) == 1
+    assert s.batch_get(["b"], [torch.empty(NB, dtype=torch.uint8)]) == [False] and s.stats().corrupt == 1
+    c.close()
+    s.close()
+
+
+def test_dtype_or_shape_mismatch_is_a_miss(redis_url):
+    w = RedisStorage(redis_url, "_m_0_1", NB, page_dtype=torch.bfloat16, page_shape=(2, 16))
+    r = RedisStorage(redis_url, "_m_0_1", NB, page_dtype=torch.float16, page_shape=(2, 16))
+    w.batch_set(["a"], [page(3)])
+    buf = torch.empty(NB, dtype=torch.uint8)
+    assert r.batch_get(["a"], [buf]) == [False] and r.stats().mismatched == 1
+    assert w.batch_get(["a"], [buf]) == [True] and torch.equal(buf, page(3))
+    w.close()
+    r.close()
+
+
+def test_ttl_is_set_and_refreshed_on_read(redis_url):
+    s = RedisStorage(redis_url, "_m_0_1", NB, ttl_s=30)
+    s.batch_set(["a"], [page(1)])
+    c = raw_client(redis_url)
+    assert 0 < c.pttl("a_m_0_1") <= 30_000
+    c.pexpire("a_m_0_1", 10_000)
+    assert s.batch_get(["a"], [torch.empty(NB, dtype=torch.uint8)]) == [True]
+    assert c.pttl("a_m_0_1") > 10_000
+    c.close()
+    s.close()
+
+
+def test_large_batches_split_across_round_trips(redis_url):
+    s = RedisStorage(redis_url, "_m_0_1", NB, pipeline_bytes=3 * NB)
+    keys = [f"k{i}" for i in range(10)]
+    assert s.batch_set(keys, [page(i) for i in range(10)]) == [True] * 10
+    out = [torch.empty(NB, dtype=torch.uint8) for _ in keys]
+    assert s.batch_get(keys, out) == [True] * 10
+    assert all(torch.equal(o, page(i)) for i, o in enumerate(out)) and s.batch_exists(keys) == 10
+    s.close()
+
+
+def test_server_refusing_writes_under_maxmemory(make_redis_server):
+    server = make_redis_server()
+    c = raw_client(server.url)
+    s = RedisStorage(server.url, "_m_0_1", NB)
+    c.config_set("maxmemory-policy", "noeviction")
+    c.config_set("maxmemory", 1)
+    assert s.batch_set(["a", "b"], [page(1), page(2)]) == [False, False]
+    assert s.stats().errors == 1 and s.stats().stored == 0
+    c.config_set("maxmemory", 0)
+    assert s.batch_set(["a", "b"], [page(1), page(2)]) == [True, True]
+    c.close()
+    s.close()
+
+
+def test_server_down_raises_typed_errors_then_recovers(make_redis_server):
+    server = make_redis_server()
+    s = RedisStorage(server.url, "_m_0_1", NB, socket_timeout_s=1.0)
+    assert s.batch_set(["a"], [page(1)]) == [True]
+    server.stop()
+    t = time.monotonic()
+    for op in (lambda: s.batch_set(["b"], [page(2)]),
+               lambda: s.batch_get(["a"], [torch.empty(NB, dtype=torch.uint8)]),
+               lambda: s.batch_exists(["a"]), lambda: s.delete("a")):
+        with pytest.raises(StorageUnavailable, match="unreachable"):
+            op()
+    assert time.monotonic() - t < 5.0 and s.stats().errors == 4
+    server.start()  # same port, empty (no persistence)
+    assert s.batch_set(["b"], [page(2)]) == [True] and s.batch_exists(["b"]) == 1
+    s.close()
+
+
+# --- the whole stack, with the server going away mid-run -----------------------------------------
+
+def test_decode_survives_server_outage_and_recovers(make_redis_server):
+    server = make_redis_server()
+    stack = build_stack(LAYERS, HEADS, DIM, torch.bfloat16, PS, 256, 128, ROWS, MAX_LEN,
+                        storage=server.url, model_name="org/tiny")
+    stack.storage._client.connection_pool.connection_kwargs["socket_timeout"] = 1.0
+    alloc0, host0, rows0 = (stack.allocator.available_size(), stack.host_pool.available_size(),
+                            stack.req_to_token_pool.available_size())
+    sch = Scheduler(stack)
+    off = stack.offloader
+    try:
+        # phase 1: the server is up
+        a = sch.admit(1, list(range(100, 110)), 7)
+        b = sch.admit(2, list(range(200, 213)), 7)
+        for t in range(6):
+            sch.step(50 + t)
+        assert off.stats().writes >= 2  # copies (and maybe storage ops) are in flight or done
+
+        # phase 2: the server goes away mid-run (copies and storage ops may be in flight)
+        with structlog.testing.capture_logs() as logs:
+            server.stop()
+            c = sch.admit(3, list(range(300, 305)), 7)
+            for t in range(9):
+                sch.step(60 + t)
+                if t == 3:
+                    sch.finish(a)
+            sch.finish(b)
+            sch.finish(c)
+            sch.settle()
+        st = off.stats()
+        assert st.storage_failed >= 3 and st.storage_ok + st.storage_failed == st.storage_ops
+        failures = [e for e in logs if e["event"] == "offloader.storage_failed"]
+        assert len(failures) == st.storage_failed
+        assert all("StorageUnavailable" in e["error"] for e in failures[-3:])
+        assert any(e["event"] == "redis_storage.unavailable" for e in logs)
+        # nothing leaked, nothing held: GPU slots, host pages, rows all back; every request released
+        assert stack.allocator.available_size() == alloc0
+        assert stack.host_pool.available_size() == host0
+        assert stack.req_to_token_pool.available_size() == rows0
+        assert all(sch.mgr.state_of(r) is State.RELEASED for r in (a, b, c))
+        mst = sch.mgr.stats()
+        assert mst.leaked == 0 and mst.released == 3 and mst.tracked == 0
+        assert mst.storage_finished == st.storage_ops
+        sch.mgr.check_integrity()
+        stack.allocator.check_integrity()
+        stack.host_pool.check_integrity()
+
+        # phase 3: the server is back on the same port (empty: no persistence); writes work again
+        server.start()
+        failed_before, ok_before = st.storage_failed, st.storage_ok
+        d = sch.admit(4, list(range(400, 406)), 7)
+        for t in range(10):
+            sch.step(80 + t)
+        sch.finish(d)
+        sch.settle()
+        st = off.stats()
+        assert st.storage_failed == failed_before and st.storage_ok > ok_before
+        expected = sch.kv_pages(d)
+        assert len(expected) >= 3
+        hashes = [h for h, _ in expected]
+        assert stack.storage.batch_exists(hashes) == len(hashes)
+        bufs = [torch.empty(stack.host_pool.page_nbytes, dtype=torch.uint8) for _ in hashes]
+        assert stack.storage.batch_get(hashes, bufs) == [True] * len(hashes)
+        for buf, (_, want) in zip(bufs, expected):
+            assert torch.equal(buf, want)
+        assert stack.allocator.available_size() == alloc0 and stack.host_pool.available_size() == host0
+        assert sch.mgr.stats().leaked == 0 and sch.mgr.state_of(d) is State.RELEASED
+    finally:
+        sch.mgr.shutdown(force=True)
+        stack.close()
