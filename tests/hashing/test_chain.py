@@ -63,3 +63,32 @@ def test_namespace_none_when_both_absent_and_types_checked():
     assert namespace_seed() is None
     with pytest.raises(TypeError):
         namespace_seed(3, None)
+
+
+@pytest.mark.parametrize("case", VECTORS["chains"], ids=lambda c: f"{len(c['tokens'])}tok-p{c['page_size']}")
+def test_packed_array_and_other_sequences_give_the_reference_chain(case):
+    from array import array
+
+    want = case["page_hashes"]
+    tokens, ps, prior = case["tokens"], case["page_size"], case["prior_hash"]
+    assert page_hashes(array("I", tokens), ps, prior) == want  # pre-packed: hashed as is
+    assert page_hashes(tuple(tokens), ps, prior) == want
+    assert page_hashes(array("q", tokens), ps, prior) == want  # other typecodes are repacked
+
+
+def test_partial_tail_is_not_packed_or_checked_and_input_is_not_changed():
+    from array import array
+
+    tokens = [1, 2, 3, 4, -1]  # the bad token lies in the trailing partial page: never named
+    assert page_hashes(tokens, 4) == [hash_page([1, 2, 3, 4])]
+    packed = array("I", range(10))
+    page_hashes(packed, 4)
+    assert packed == array("I", range(10)) and tokens == [1, 2, 3, 4, -1]
+
+
+@pytest.mark.parametrize("bad", ["i", "q"])
+def test_signed_array_with_a_negative_token_raises_naming_position(bad):
+    from array import array
+
+    with pytest.raises(TokenRangeError, match="position 1"):
+        page_hashes(array(bad, [5, -3, 7, 8]), 2)
