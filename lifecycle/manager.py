@@ -15,7 +15,6 @@ import weakref
 from collections import deque
 
 import msgspec
-import structlog
 import torch
 
 from hashing import page_hashes
@@ -29,6 +28,7 @@ from lifecycle.errors import (
     ManagerClosed,
     UnknownCompletion,
 )
+from lifecycle.log import get_logger
 from lifecycle.machine import EVENTS
 from lifecycle.records import (
     Chunk,
@@ -113,9 +113,8 @@ class DecodeOffloadManager:
         self.tp_group = tp_group
         self._alloc_page = getattr(token_to_kv_pool_allocator, "page_size", None) or 1
         self._clock = clock
-        self._log = structlog.get_logger("lifecycle").bind()  # concrete: config taken now
-        enabled = getattr(self._log, "is_enabled_for", None)
-        self._debug = enabled(logging.DEBUG) if callable(enabled) else True
+        self._log = get_logger("lifecycle")  # routes per call: configuring logging later takes effect
+        self._debug = False  # refreshed at the start of every call that may log (one level check)
 
         self._records: dict[int, Record] = {}
         self._dropped: deque = deque()
@@ -177,6 +176,7 @@ class DecodeOffloadManager:
         new = n_in + n_out - 1 - prefill - rec.offload.inc_len
         if new < self.offload_stride:
             return False
+        self._debug = self._log.is_enabled_for(logging.DEBUG)
         chunk = self._plan_chunk(rec, req, new - new % self.offload_stride)
         before = rec.offload.inc_len
         self._fire["offload"](rec, mgr=self, req=req, chunk=chunk)
@@ -194,6 +194,7 @@ class DecodeOffloadManager:
             UnknownCompletion: the offloader reported an id never issued (after settling the rest).
         """
         self._check_open()
+        self._debug = self._log.is_enabled_for(logging.DEBUG)
         self._drain_dropped()
         landed, stored = self._landed, self._stored
         if self._poll_expired is not None:
@@ -236,6 +237,7 @@ class DecodeOffloadManager:
             InvalidRequest: it has no row, or inconsistent lengths.
         """
         self._check_open()
+        self._debug = self._log.is_enabled_for(logging.DEBUG)
         rec = self._lookup(req)
         fresh = rec is None
         if fresh:
@@ -261,6 +263,7 @@ class DecodeOffloadManager:
             InvalidRequest: no row, or inconsistent lengths.
         """
         self._check_open()
+        self._debug = self._log.is_enabled_for(logging.DEBUG)
         rec = self._lookup(req)
         fresh = rec is None
         if fresh:
@@ -295,6 +298,7 @@ class DecodeOffloadManager:
             InvalidRequest: it has no valid row.
         """
         self._check_open()
+        self._debug = self._log.is_enabled_for(logging.DEBUG)
         rec = self._lookup(req)
         if rec is None:
             raise self._refusal(getattr(req, "rid", None), "readmit", "UNSEEN", "the request was never seen")

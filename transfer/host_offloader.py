@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import msgspec
-import structlog
+from transfer.log import get_logger
 import torch
 
 from transfer.copy_engine import CopyEngine, CpuCopyEngine, make_copy_engine
@@ -34,7 +34,7 @@ from transfer.kv_pool import KVPool
 from transfer.storage.base import Storage
 from transfer.worker import BackgroundWorker
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class OffloaderStats(msgspec.Struct):

@@ -10,14 +10,14 @@ available; pageable (with a warning) when pinning fails.
 
 from __future__ import annotations
 
-import structlog
+from transfer.log import get_logger
 import torch
 
 from transfer.errors import BadIndices
 from transfer.indices import pages_of_aligned, slots_of_pages
 from transfer.page_set import PageSet
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool | None) -> torch.Tensor:

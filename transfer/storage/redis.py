@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 import redis
-import structlog
+from transfer.log import get_logger
 import torch
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -49,7 +49,7 @@ from transfer.errors import StorageUnavailable
 from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.lru import LruIndex
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 MAGIC = b"KVLP"
 VERSION = 1
