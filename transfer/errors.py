@@ -53,3 +53,12 @@ class StorageUnavailable(StorageError):
 
 class PageSizeMismatch(StorageError, ValueError):
     """A page buffer's byte size differs from the backend's page size."""
+
+
+class InvalidKey(StorageError, ValueError):
+    """A storage key is not a page hash (64 lowercase hex characters); nothing of the batch was touched."""
+
+
+class StorageConfigError(StorageError, ValueError):
+    """A storage backend was configured with a bad value (URL, suffix, page format); nothing was opened."""
+

@@ -31,3 +31,17 @@ def test_truncation_zeroed_words_and_swaps_change_it():
 def test_accepts_any_contiguous_buffer():
     data = np.arange(512, dtype=np.float16)
     assert page_checksum(data) == page_checksum(data.tobytes()) == page_checksum(memoryview(data.tobytes()))
+
+
+def test_two_sign_bit_flips_are_detected():
+    # the weighted word sum it replaced missed every pair of bit-63 flips (the weights cancel)
+    rng = np.random.default_rng(3)
+    page = bytearray(rng.integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    good = page_checksum(page)
+    for _ in range(500):
+        i, j = rng.choice(512, 2, replace=False)
+        page[i * 8 + 7] ^= 0x80
+        page[j * 8 + 7] ^= 0x80
+        assert page_checksum(page) != good
+        page[i * 8 + 7] ^= 0x80
+        page[j * 8 + 7] ^= 0x80
