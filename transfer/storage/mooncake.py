@@ -1,0 +1,397 @@
+"""Mooncake Store page storage, object-compatible with SGLang's Mooncake HiCache backend.
+
+**Objects.** A page is stored as SGLang 0.5.19 stores it (``transfer.storage.mooncake_keys``):
+MHA as ``{prefix}_{hash}_{tp}_k`` and ``_v`` (the two halves of our page, zero-copy), MLA as one
+``{prefix}_{hash}__k``; the bytes are the raw page, no header. So an SGLang node using Mooncake
+reads our pages and we read its pages.
+
+**Integrity, and the trade-off.** A header in front of the bytes would make our objects unreadable
+to SGLang (it reads exactly ``page_size * layers * heads * dim * itemsize`` bytes per object).
+Instead each page we write gets a second, 104-byte object, ``{prefix}_{hash}_{tp}_kvlp``: the seal
+of ``transfer.storage.integrity`` over the whole page (name, format, XXH3-128 of K||V). The seal is
+written *before* the page objects and a page whose seal write failed is not written, so a page of
+ours is never visible without its seal. A read fetches the objects and the seal in one batch and
+serves the page only when the seal verifies; a corrupt page is a miss and is removed. A page with
+no seal (written by SGLang) is served and counted ``unverified`` (a warning the first time), or
+is a miss with ``require_checksum``. Costs: one more object per page on the master and in each
+read/write batch (~104 bytes); and two nodes racing to write the same new page may pair one's
+seal with the other's bytes — harmless when the KV is bit-identical, a refused (recomputed) page
+when it is not. ``seal=False`` writes pure SGLang objects only.
+
+**Failures** never reach the caller as a hang or a crash: see ``MooncakeStorage``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import msgspec
+import torch
+
+from transfer.errors import StorageUnavailable
+from transfer.log import get_logger
+from transfer.storage import mooncake_conn as conn
+from transfer.storage.base import Storage, StorageStats, check_batch
+from transfer.storage.breaker import CircuitBreaker
+from transfer.storage.integrity import SEAL_NBYTES, PageFormat, Verdict, check_keys, seal, verify
+from transfer.storage.mooncake_buffers import BufferRegistry
+from transfer.storage.mooncake_keys import MooncakeNaming, naming_from_suffix
+
+log = get_logger(__name__)
+_SLOT = 128  # bytes per seal in a batch's seal buffer (>= SEAL_NBYTES)
+
+
+class MooncakeStorageStats(StorageStats):
+    """``StorageStats`` plus what Mooncake adds: pages lost with a dead replica holder
+    (``holder_gone``) and pages refused for lack of space (``no_space``)."""
+
+    corrupt: int = 0
+    foreign: int = 0
+    wrong_size: int = 0
+    unverified: int = 0
+    unavailable: int = 0
+    holder_gone: int = 0
+    no_space: int = 0
+
+
+class MooncakeStorage(Storage):
+    """Pages in a Mooncake store (see the module docstring for objects and integrity).
+
+    Args:
+        settings: ``mooncake_conn.MooncakeSettings`` (``parse_spec`` of a ``mooncake://`` URL).
+        suffix: the deployment suffix (``hashing.storage_suffix``): gives the model name and tp
+            rank of the object names unless the settings name them.
+        page_nbytes: required page size.
+        page_format: what the pages are (recorded in seals, checked on read); a ``page_first``
+            format of 4 dims ``(page_size, layers, 1, width)`` means MLA (one object per page).
+            None: each page's own dtype and shape, layout ``raw``.
+        require_checksum: a page without a seal is a miss (also the ``require_checksum`` option).
+    Raises:
+        StorageUnavailable: the extra is missing; or (unless ``lazy``) the master is unreachable or
+            setup did not finish in time — in bounded time, one line naming the master.
+        StorageConfigError: bad settings.
+
+    Failure behaviour: every operation checks the client's health flag (instant) and a
+    ``CircuitBreaker``; while the master is away ``batch_exists`` is 0, ``batch_get`` misses and
+    ``batch_set`` / ``delete`` raise ``StorageUnavailable`` — without blocking. ``batch_exists``
+    (run on the scheduler thread by prefix lookups) additionally has a deadline
+    (``exists_timeout_s``); a check that misses it is a miss and opens the breaker. Reads and
+    writes wait for Mooncake's own bounded RPC timeouts (they run on storage workers, and their
+    buffers must not be abandoned). After a master restart (empty) the client re-registers by
+    itself and writes resume; a dead replica holder makes its pages misses (``holder_gone``).
+    """
+
+    def __init__(self, settings: conn.MooncakeSettings, suffix: str = "", page_nbytes: int | None = None,
+                 *, page_format: PageFormat | None = None, require_checksum: bool = False) -> None:
+        conn.import_store()
+        if require_checksum and not settings.require_checksum:
+            settings = msgspec.structs.replace(settings, require_checksum=True)
+        self.settings, self.suffix, self.page_nbytes = settings, suffix, page_nbytes
+        mla = settings.mla if settings.mla is not None else bool(
+            page_format is not None and page_format.layout == "page_first" and len(page_format.shape) == 4)
+        implied = naming_from_suffix(suffix, mla)
+        self.naming = MooncakeNaming(
+            model_name=settings.model if settings.model is not None else implied.model_name,
+            tp_rank=settings.tp_rank if settings.tp_rank is not None else implied.tp_rank,
+            pp_rank=settings.pp_rank or 0, pp_size=settings.pp_size or 1, mla=mla,
+            backend_tag=settings.backend_tag)
+        self.page_format = page_format
+        self.url = f"mooncake://{settings.master}"
+        self.breaker = CircuitBreaker(self.url)
+        self._lock = threading.Lock()
+        self._stats = MooncakeStorageStats()
+        self._warned_unverified = False
+        self._closed = threading.Event()
+        self._store = None
+        self._buffers: BufferRegistry | None = None
+        self._exists_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-mooncake-exists")
+        self._exists_busy = threading.Lock()
+        _, replicate_cls = conn.import_store()
+        self._put_config = replicate_cls()
+        self._put_config.replica_num = settings.replica_num
+        if settings.preferred_segment:
+            self._put_config.preferred_segments = [settings.preferred_segment]
+        if settings.lazy:
+            threading.Thread(target=self._connect_forever, name="kv-mooncake-connect", daemon=True).start()
+        else:
+            self._attach(conn.connect(settings))
+
+    # -- connection -----------------------------------------------------------------------------
+    def _attach(self, store) -> None:
+        with self._lock:
+            if self._closed.is_set():
+                conn.close_quietly(store)
+                return
+            self._store, self._buffers = store, BufferRegistry(store)
+        log.info("mooncake.connected", master=self.settings.master, hostname=store.get_hostname())
+
+    def _connect_forever(self) -> None:
+        backoff = 0.5
+        while not self._closed.is_set():
+            try:
+                self._attach(conn.connect(self.settings))
+                return
+            except StorageUnavailable as err:
+                log.debug("mooncake.connect_retry", error=str(err), retry_in_s=backoff)
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is set up (a lazy store connects in the background)."""
+        return self._store is not None
+
+    def _usable(self, what: str):
+        """The client when the tier may be asked now, else None (counted ``unavailable``)."""
+        store = self._store
+        if store is not None and not self._closed.is_set() and self.breaker.allow():
+            if store.health_check() == 0:
+                return store
+            self.breaker.failure(f"client unhealthy ({what})")
+        with self._lock:
+            self._stats.unavailable += 1
+        return None
+
+    def _require(self, what: str):
+        store = self._usable(what)
+        if store is None:
+            raise StorageUnavailable(f"mooncake storage at {self.url} is unavailable ({what})")
+        return store
+
+    def _outcome(self, codes: Sequence[int], what: str) -> bool:
+        """Report the tier's health from a batch's codes; True when the master answered."""
+        bad = next((c for c in codes if c in conn.UNREACHABLE_CODES), None)
+        if bad is None:
+            self.breaker.success()
+            return True
+        self.breaker.failure(f"{what}: {conn.code_name(bad)}")
+        with self._lock:
+            self._stats.errors += 1
+        return False
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    def _format(self, page: torch.Tensor) -> PageFormat:
+        return self.page_format if self.page_format is not None else PageFormat.raw(page)
+
+    def _slices(self, page: torch.Tensor) -> list[tuple[int, int]]:
+        """(pointer, size) of each object of ``page``: K and V halves, or the whole MLA page."""
+        kinds = self.naming.kinds
+        nbytes = page.numel() * page.element_size()
+        if nbytes % kinds:
+            raise ValueError(f"an MHA page must split into equal K and V halves, got {nbytes} bytes")
+        part = nbytes // kinds
+        return [(page.data_ptr() + i * part, part) for i in range(kinds)]
+
+    # -- Storage --------------------------------------------------------------------------------
+    def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        """See ``Storage.batch_set``. Pages whose objects all exist are skipped (first writer wins,
+        as in SGLang). Raises ``StorageUnavailable`` when the master is away (nothing written)."""
+        check_batch(keys, pages, self.page_nbytes)
+        results = [False] * len(keys)
+        if not keys:
+            return results
+        store = self._require("set")
+        objects = [self.naming.objects(k) for k in keys]
+        codes = store.batch_is_exist([o for objs in objects for o in objs])
+        if not self._outcome(codes, "exists before set"):
+            raise StorageUnavailable(f"mooncake storage at {self.url} is unreachable (set)")
+        kinds = self.naming.kinds
+        todo = []
+        for i in range(len(keys)):
+            if all(c == 1 for c in codes[i * kinds:(i + 1) * kinds]):
+                results[i] = True
+            else:
+                todo.append(i)
+        self._count(skipped=len(keys) - len(todo))
+        if todo:
+            for i, ok in zip(todo, self._put_pages(store, keys, pages, objects, todo)):
+                results[i] = ok
+        return results
+
+    def _put_pages(self, store, keys, pages, objects, todo: list[int]) -> list[bool]:
+        seals = torch.zeros(len(todo) * _SLOT, dtype=torch.uint8)
+        with self._buffers.registered([seals] + [pages[i] for i in todo]):
+            ok = [True] * len(todo)
+            if self.settings.seal:
+                raw = seals.numpy()
+                for j, i in enumerate(todo):
+                    data = pages[i].reshape(-1).view(torch.uint8).numpy()
+                    name = self.naming.page_name(keys[i])
+                    raw[j * _SLOT:j * _SLOT + SEAL_NBYTES] = memoryview(seal(name, self._format(pages[i]), data))
+                base = seals.data_ptr()
+                codes = store.batch_put_from([self.naming.seal_object(keys[i]) for i in todo],
+                                             [base + j * _SLOT for j in range(len(todo))],
+                                             [SEAL_NBYTES] * len(todo), self._put_config)
+                ok = self._put_codes(codes, [[self.naming.seal_object(keys[i])] for i in todo])
+            go = [i for i, good in zip(todo, ok) if good]
+            if go:
+                names = [o for i in go for o in objects[i]]
+                slices = [s for i in go for s in self._slices(pages[i])]
+                codes = store.batch_put_from(names, [p for p, _ in slices], [n for _, n in slices],
+                                             self._put_config)
+                done = iter(self._put_codes(codes, [objects[i] for i in go]))
+                ok = [good and next(done) for good in ok]
+        self._count(stored=sum(ok))
+        return ok
+
+    def _put_codes(self, codes: Sequence[int], groups: list[list[str]]) -> list[bool]:
+        """Per group of objects, whether every put succeeded; failures counted and logged."""
+        if not self._outcome(codes, "put"):
+            raise StorageUnavailable(f"mooncake storage at {self.url} became unreachable during a write")
+        out, pos = [], 0
+        for names in groups:
+            group = codes[pos:pos + len(names)]
+            pos += len(names)
+            bad = next((c for c in group if c not in (conn.OK, conn.EXISTS)), None)
+            if bad is not None:
+                self._count(errors=1, no_space=int(bad == conn.NO_SPACE))
+                log.error("mooncake.write_failed", name=names[0], code=conn.code_name(bad))
+            out.append(bad is None)
+        return out
+
+    def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
+        """See ``Storage.batch_get``: a page is served only when all its objects were read in full
+        and (when sealed) its seal verifies. The master away: all misses, without blocking."""
+        check_batch(keys, into, self.page_nbytes)
+        if not keys:
+            return []
+        store = self._usable("get")
+        if store is None:
+            self._count(misses=len(keys))
+            return [False] * len(keys)
+        kinds, n = self.naming.kinds, len(keys)
+        seals = torch.zeros(n * _SLOT, dtype=torch.uint8)
+        names, ptrs, sizes = [], [], []
+        for i, (key, buf) in enumerate(zip(keys, into)):
+            for (ptr, size), name in zip(self._slices(buf), self.naming.objects(key)):
+                names.append(name), ptrs.append(ptr), sizes.append(size)
+            names.append(self.naming.seal_object(key)), ptrs.append(seals.data_ptr() + i * _SLOT)
+            sizes.append(_SLOT)
+        with self._buffers.registered([seals, *into]):
+            codes = store.batch_get_into(names, ptrs, sizes)
+        self._outcome(codes, "get")
+        step = kinds + 1
+        results = [self._judge(store, key, buf, codes[i * step:(i + 1) * step], sizes[i * step],
+                               seals[i * _SLOT:(i + 1) * _SLOT])
+                   for i, (key, buf) in enumerate(zip(keys, into))]
+        self._count(hits=sum(results), misses=n - sum(results))
+        return results
+
+    def _judge(self, store, key: str, buf: torch.Tensor, codes, part: int, seal_buf: torch.Tensor) -> bool:
+        """Whether page ``key`` just read into ``buf`` is served; a refused page's bytes are zeroed."""
+        *page_codes, seal_code = codes
+        verdict = None
+        if any(c == conn.ABSENT_HOLDER for c in page_codes):
+            self._count(holder_gone=1)
+        elif any(c == conn.TOO_BIG or (c >= 0 and c != part) for c in page_codes):
+            verdict = Verdict.WRONG_SIZE
+        elif all(c == part for c in page_codes):
+            if seal_code == SEAL_NBYTES:
+                data = buf.reshape(-1).view(torch.uint8).numpy()
+                verdict = verify(seal_buf.numpy()[:SEAL_NBYTES], self.naming.page_name(key), self._format(buf), data)
+                if verdict is Verdict.OK:
+                    return True
+            elif seal_code in conn.MISSING_CODES and not self.settings.require_checksum:
+                self._unverified(key)
+                return True
+            elif seal_code >= 0:
+                verdict = Verdict.CORRUPT  # a seal object of another size
+        buf.zero_()
+        if verdict is not None:
+            self._count(**{verdict.value: 1})
+            log.error("mooncake.page_refused", name=self.naming.page_name(key), verdict=verdict.value)
+            if verdict is Verdict.CORRUPT:
+                self._remove(store, key)
+        return False
+
+    def _unverified(self, key: str) -> None:
+        with self._lock:
+            self._stats.unverified += 1
+            first, self._warned_unverified = not self._warned_unverified, True
+        if first:
+            log.warning("mooncake.unverified_page", name=self.naming.page_name(key),
+                        detail="page without a seal (written by SGLang?) served; require_checksum=1 refuses them")
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        """See ``Storage.batch_exists``. Bounded by ``exists_timeout_s`` (it runs on the scheduler
+        thread); the master away or slow: 0, counted ``unavailable``, breaker opened."""
+        check_keys(keys)
+        if not keys:
+            return 0
+        store = self._usable("exists")
+        if store is None or not self._exists_busy.acquire(blocking=False):  # a check is still stuck
+            return 0
+        step = self.naming.kinds + int(self.settings.require_checksum)
+        names = []
+        for key in keys:
+            names += self.naming.objects(key)
+            if self.settings.require_checksum:
+                names.append(self.naming.seal_object(key))
+        try:
+            future = self._exists_pool.submit(self._exists_call, store, names)
+        except RuntimeError:  # closed meanwhile
+            self._exists_busy.release()
+            return 0
+        try:
+            codes = future.result(self.settings.exists_timeout_s)
+        except FutureTimeout:
+            self.breaker.failure(f"existence check exceeded {self.settings.exists_timeout_s} s")
+            self._count(unavailable=1)
+            return 0
+        if not self._outcome(codes, "exists"):
+            return 0
+        n = 0
+        while n < len(keys) and all(c == 1 for c in codes[n * step:(n + 1) * step]):
+            n += 1
+        return n
+
+    def _exists_call(self, store, names: list[str]) -> list[int]:
+        try:
+            return store.batch_is_exist(names)
+        finally:
+            self._exists_busy.release()
+
+    def _remove(self, store, key: str) -> int:
+        removed = 0
+        for name in self.naming.objects(key) + [self.naming.seal_object(key)]:
+            removed += int(store.remove(name, True) == 0)
+        return removed
+
+    def delete(self, key: str) -> bool:
+        """See ``Storage.delete``: removes the page's objects and seal (even under a read lease).
+        Raises ``StorageUnavailable`` when the master is away."""
+        check_keys([key])
+        store = self._require("delete")
+        names = self.naming.objects(key)
+        codes = [store.remove(name, True) for name in names]
+        store.remove(self.naming.seal_object(key), True)
+        if not self._outcome(codes, "delete"):
+            raise StorageUnavailable(f"mooncake storage at {self.url} is unreachable (delete)")
+        gone = any(c == conn.OK for c in codes)
+        self._count(deletes=int(gone))
+        return gone
+
+    def stats(self) -> MooncakeStorageStats:
+        with self._lock:
+            return msgspec.structs.replace(self._stats)
+
+    def close(self) -> None:
+        """Unregister buffers and close the client (its segment and the objects placed only on it
+        go away). Idempotent; a lazy connection still being made is abandoned."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            store, buffers, self._store = self._store, self._buffers, None
+        self._exists_pool.shutdown(wait=False, cancel_futures=True)
+        if buffers is not None:
+            buffers.close()
+        if store is not None:
+            conn.close_quietly(store)
