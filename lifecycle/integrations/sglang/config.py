@@ -1,0 +1,221 @@
+"""SGLang's decode-offload configuration, read where SGLang 0.5.19 reads it, checked in one place.
+
+Sources (as ``DecodeKVCacheOffloadManager.__init__`` and the ``HiCacheFile`` backend read them):
+
+* ``get_schedule().page_size``
+* ``get_memory()``: ``hicache_storage_backend``, ``hicache_storage_backend_extra_config`` (JSON),
+  ``hicache_io_backend``, ``hicache_mem_layout``, ``hicache_ratio``, ``hicache_size``
+* ``get_serving().served_model_name``; ``get_parallel()``: ``pp_rank``, ``pp_size``, ``dcp_enabled``
+* environment: ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``
+  (default ``/tmp/hicache``), ``SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE``,
+  ``..._MIN_FREE_SPACE``, ``..._EVICTION_RATIO`` (extra-config keys take precedence, as in SGLang)
+
+Anything this integration cannot honour raises ``SGLangConfigError`` naming the setting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+
+from lifecycle.integrations.sglang.errors import SGLangConfigError
+
+STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
+FILE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+FILE_MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
+FILE_MIN_FREE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE"
+FILE_EVICTION_RATIO_ENV = "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"
+FILE_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's default file_path
+
+SUPPORTED_BACKENDS = ("file",)
+SUPPORTED_LAYOUTS = ("page_first",)
+SUPPORTED_IO_BACKENDS = ("kernel", "direct")
+# extra-config keys the file backend reads; the metadata-cache ones only tune existence checks,
+# which our store answers from its own index anyway
+FILE_EXTRA_KEYS = ("max_size", "min_free_space", "eviction_ratio", "enable_metadata_cache", "metadata_ttl")
+_DEFAULT_EVICTION_RATIO = 0.9
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Everything the integration takes from SGLang's configuration (see the module docstring)."""
+
+    page_size: int
+    offload_stride: int
+    storage_backend: str
+    storage_dir: str
+    capacity_bytes: int | None
+    io_backend: str
+    mem_layout: str
+    host_ratio: float | None
+    host_size_gb: float
+    model_name: str
+    pp_rank: int = 0
+    pp_size: int = 1
+    extra_config: dict = field(default_factory=dict)
+
+
+def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadConfig:
+    """Read and check the configuration from ``runtime`` (the four getters) and ``environ``.
+
+    Raises:
+        SGLangConfigError: a missing, malformed or unsupported setting (the first one found).
+    """
+    env = os.environ if environ is None else environ
+    sched, mem, serving, parallel = (
+        runtime.get_schedule(), runtime.get_memory(), runtime.get_serving(), runtime.get_parallel())
+    page_size = _setting(sched, "page_size", "get_schedule()")
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise SGLangConfigError(f"get_schedule().page_size must be a positive int, got {page_size!r}")
+    backend = _setting(mem, "hicache_storage_backend", "get_memory()")
+    if backend not in SUPPORTED_BACKENDS:
+        raise SGLangConfigError(
+            f"--hicache-storage-backend {backend!r} is not supported by kv-lifecycle's decode offload; "
+            f"supported: {', '.join(SUPPORTED_BACKENDS)}")
+    layout = _setting(mem, "hicache_mem_layout", "get_memory()")
+    if layout not in SUPPORTED_LAYOUTS:
+        raise SGLangConfigError(
+            f"--hicache-mem-layout {layout!r} is not supported (the host pool and stored pages are "
+            f"page-first); supported: {', '.join(SUPPORTED_LAYOUTS)}")
+    io_backend = _setting(mem, "hicache_io_backend", "get_memory()")
+    if io_backend not in SUPPORTED_IO_BACKENDS:
+        raise SGLangConfigError(
+            f"--hicache-io-backend {io_backend!r} is not supported; supported: {', '.join(SUPPORTED_IO_BACKENDS)}")
+    extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None))
+    if getattr(parallel, "dcp_enabled", False):
+        raise SGLangConfigError("decode context parallel (--dcp-size > 1) is not supported")
+    model = getattr(serving, "served_model_name", None)
+    if not isinstance(model, str) or not model:
+        raise SGLangConfigError(f"get_serving().served_model_name must be a non-empty str, got {model!r}")
+    pp_rank, pp_size = getattr(parallel, "pp_rank", 0), getattr(parallel, "pp_size", 1)
+    if not (isinstance(pp_size, int) and isinstance(pp_rank, int) and pp_size >= 1 and 0 <= pp_rank < pp_size):
+        raise SGLangConfigError(f"get_parallel() pp_rank {pp_rank!r} / pp_size {pp_size!r} are inconsistent")
+    ratio, size_gb = _host_size(mem)
+    return OffloadConfig(
+        page_size=page_size,
+        offload_stride=_stride(env.get(STRIDE_ENV), page_size),
+        storage_backend=backend,
+        storage_dir=env.get(FILE_DIR_ENV) or FILE_DEFAULT_DIR,
+        capacity_bytes=_file_capacity(extra, env),
+        io_backend=io_backend,
+        mem_layout=layout,
+        host_ratio=ratio,
+        host_size_gb=size_gb,
+        model_name=model,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        extra_config=extra,
+    )
+
+
+def _setting(bag, name: str, where: str):
+    if not hasattr(bag, name):
+        raise SGLangConfigError(f"{where} has no {name}: not SGLang 0.5.19's runtime context?")
+    return getattr(bag, name)
+
+
+def _stride(raw: str | None, page_size: int) -> int:
+    """SGLang's rule: unset or <= 0 -> one page; else rounded down to pages, at least one page."""
+    if raw is None or raw == "None":
+        return page_size
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SGLangConfigError(f"{STRIDE_ENV}={raw!r} is not an integer") from None
+    if value <= 0:
+        return page_size
+    return max(page_size, value // page_size * page_size)
+
+
+def _extra_config(raw) -> dict:
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, dict):
+        extra = dict(raw)
+    else:
+        try:
+            extra = json.loads(raw)
+        except (TypeError, json.JSONDecodeError) as err:
+            raise SGLangConfigError(f"--hicache-storage-backend-extra-config is not valid JSON: {err}") from None
+    if not isinstance(extra, dict):
+        raise SGLangConfigError(f"--hicache-storage-backend-extra-config must be a JSON object, got {raw!r}")
+    unknown = sorted(set(extra) - set(FILE_EXTRA_KEYS))
+    if unknown:
+        raise SGLangConfigError(
+            f"--hicache-storage-backend-extra-config keys {unknown} are not supported for the file "
+            f"backend; supported: {', '.join(FILE_EXTRA_KEYS)}")
+    return extra
+
+
+def _file_capacity(extra: dict, env: Mapping[str, str]) -> int | None:
+    """The file backend's byte cap (``max_size``; None: unbounded). Free-space watermarks and a
+    non-default eviction ratio are refused: our store evicts least recently used pages only until
+    the byte cap holds."""
+    def pick(key: str, var: str):
+        value = extra.get(key)
+        return env.get(var) if value is None else value
+
+    min_free = _size_bytes(pick("min_free_space", FILE_MIN_FREE_ENV), "min_free_space")
+    if min_free:
+        raise SGLangConfigError(
+            f"file backend min_free_space ({FILE_MIN_FREE_ENV}) = {min_free} bytes is not supported; "
+            "bound the store with max_size instead")
+    ratio = pick("eviction_ratio", FILE_EVICTION_RATIO_ENV)
+    if ratio is not None:
+        try:
+            ratio_value = float(ratio)
+        except (TypeError, ValueError):
+            raise SGLangConfigError(f"file backend eviction_ratio {ratio!r} is not a number") from None
+        if ratio_value != _DEFAULT_EVICTION_RATIO:
+            raise SGLangConfigError(
+                f"file backend eviction_ratio {ratio_value} is not supported (our store evicts least "
+                f"recently used pages only until max_size holds); leave it at {_DEFAULT_EVICTION_RATIO}")
+    cap = _size_bytes(pick("max_size", FILE_MAX_SIZE_ENV), "max_size")
+    return cap or None
+
+
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)")
+_SI = {"k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_IEC = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def _size_bytes(value, what: str) -> int:
+    """SGLang's ``human_readable_int``: '200G', '1.5T', '1Gi', '1048576'; None, '' and '0' -> 0.
+    Where SGLang disables the bound on a malformed size (with a warning), this refuses it."""
+    if value is None:
+        return 0
+    if isinstance(value, bool):
+        raise SGLangConfigError(f"file backend {what} {value!r} is not a size")
+    if isinstance(value, (int, float)):
+        return max(0, int(value))
+    text = str(value).strip()
+    if not text or text == "0":
+        return 0
+    match = _SIZE.fullmatch(text)
+    try:
+        if match:
+            number, suffix = match.groups()
+            if suffix in _IEC:
+                if "." in number:
+                    raise ValueError("decimals are not allowed with IEC suffixes")
+                return int(number) * _IEC[suffix]
+            return int(Decimal(number) * _SI[suffix])
+        return max(0, int(text))
+    except (ValueError, InvalidOperation) as err:
+        raise SGLangConfigError(f"file backend {what} {value!r} is not a size ({err})") from None
+
+
+def _host_size(mem) -> tuple[float | None, float]:
+    size_gb = getattr(mem, "hicache_size", 0) or 0
+    ratio = getattr(mem, "hicache_ratio", None)
+    if not isinstance(size_gb, (int, float)) or isinstance(size_gb, bool) or size_gb < 0:
+        raise SGLangConfigError(f"--hicache-size must be a non-negative number of GB, got {size_gb!r}")
+    if size_gb > 0:
+        return ratio, float(size_gb)
+    if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio > 0:
+        raise SGLangConfigError(f"--hicache-ratio must be > 0 when --hicache-size is 0, got {ratio!r}")
+    return float(ratio), 0.0

@@ -1,0 +1,136 @@
+"""Chunk copies between SGLang's per-layer device buffers and our page-first host pool.
+
+A host page is ``HostPool.buffer[page] = [kinds, page_size, layers, heads, head_dim]``; a device
+page of layer ``l`` is ``buffers[kind][l][slot:slot + page_size]``. Both sides are reinterpreted
+as the integer type of the same width, so every dtype moves bit-exact.
+
+* CPU: per run of pages consecutive on both sides, one strided copy per (kind, layer).
+* CUDA: per (kind, layer) one device ``index_select`` into a staging buffer in host page order,
+  then one async D2H copy per run of consecutive host pages (on the engine's copy stream).
+
+The engines subclass ``transfer``'s, so ``HostOffloader`` drives them unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transfer.copy_engine import CpuCopyEngine, CudaCopyEngine
+from transfer.gather import page_runs
+from transfer.host_pool import HostPool
+
+from lifecycle.integrations.sglang.device_pool import LayeredKVPool
+
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _word(dtype: torch.dtype) -> torch.dtype:
+    return _WORD[torch.empty((), dtype=dtype).element_size()]
+
+
+class LayeredChunkCopy:
+    """A planned copy between device ``slots`` (whole pages) and ``host_pages`` (same count).
+
+    Raises:
+        ValueError: the pools disagree on shape or dtype.
+    """
+
+    def __init__(self, kv: LayeredKVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+        shape = (kv.kinds, kv.layers, kv.heads, kv.head_dim, kv.dtype)
+        if shape != (host.kinds, host.layers, host.heads, host.head_dim, host.dtype):
+            raise ValueError(f"device pool {shape} and host pool disagree")
+        self.kv, self.host, self.ps = kv, host, host.page_size
+        word = _word(kv.dtype)
+        self.dev = [[b.view(word) for b in kind] for kind in kv.buffers]
+        self.host_words = host.buffer.view(word)
+        self.n_pages = host_pages.numel()
+        self.cuda = kv.device.type == "cuda"
+        if self.cuda:
+            self.index = slots.to(kv.device, dtype=torch.int64, non_blocking=True)
+            self.runs = page_runs(host_pages)
+            self.staging: torch.Tensor | None = None
+        else:
+            firsts = slots.view(-1, self.ps)[:, 0].tolist()
+            self.block_runs = _block_runs(firsts, host_pages.tolist(), self.ps)
+
+    def _pages(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.view(n, self.ps, self.kv.heads, self.kv.head_dim)
+
+    def to_host(self) -> None:
+        """Device -> host (on CUDA: launched on the current stream, asynchronous)."""
+        kv = self.kv
+        if self.cuda:
+            staging = torch.empty((self.n_pages, kv.kinds, self.ps, kv.layers, kv.heads, kv.head_dim),
+                                  dtype=self.host_words.dtype, device=kv.device)
+            for k, per_layer in enumerate(self.dev):
+                for layer, buf in enumerate(per_layer):
+                    staging[:, k, :, layer].copy_(self._pages(buf.index_select(0, self.index), self.n_pages))
+            for pos, first, length in self.runs:
+                self.host_words[first:first + length].copy_(staging[pos:pos + length], non_blocking=True)
+            self.staging = staging  # alive until the copy's event fires
+            return
+        for dev, host, n in self.block_runs:
+            for k, per_layer in enumerate(self.dev):
+                for layer, buf in enumerate(per_layer):
+                    self.host_words[host:host + n, k, :, layer].copy_(
+                        self._pages(buf[dev:dev + n * self.ps], n))
+
+    def to_device(self) -> None:
+        """Host -> device (on CUDA: asynchronous H2D per run, then one scatter per buffer)."""
+        kv = self.kv
+        if self.cuda:
+            staging = torch.empty((self.n_pages, kv.kinds, self.ps, kv.layers, kv.heads, kv.head_dim),
+                                  dtype=self.host_words.dtype, device=kv.device)
+            for pos, first, length in self.runs:
+                staging[pos:pos + length].copy_(self.host_words[first:first + length], non_blocking=True)
+            n = self.n_pages * self.ps
+            for k, per_layer in enumerate(self.dev):
+                for layer, buf in enumerate(per_layer):
+                    rows = staging[:, k, :, layer].reshape(n, kv.heads, kv.head_dim)
+                    buf.index_copy_(0, self.index, rows)
+            self.staging = staging
+            return
+        for dev, host, n in self.block_runs:
+            for k, per_layer in enumerate(self.dev):
+                for layer, buf in enumerate(per_layer):
+                    self._pages(buf[dev:dev + n * self.ps], n).copy_(self.host_words[host:host + n, k, :, layer])
+
+
+def _block_runs(dev_starts: list[int], host_pages: list[int], page_size: int) -> list[tuple[int, int, int]]:
+    """Page pairs grouped into runs consecutive on both sides: ``(first slot, first host page, n)``."""
+    runs: list[list[int]] = []
+    for dev, host in zip(dev_starts, host_pages):
+        if runs and dev == runs[-1][0] + runs[-1][2] * page_size and host == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([dev, host, 1])
+    return [(a, b, c) for a, b, c in runs]
+
+
+class LayeredCpuCopyEngine(CpuCopyEngine):
+    """``CpuCopyEngine`` over a ``LayeredKVPool`` (copies on worker threads)."""
+
+    def to_host(self, tag, kv, host, slots, host_pages) -> None:
+        self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_host)
+
+    def to_device(self, tag, kv, host, slots, host_pages) -> None:
+        self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_device)
+
+
+class LayeredCudaCopyEngine(CudaCopyEngine):
+    """``CudaCopyEngine`` over a ``LayeredKVPool`` (copy stream, completion by event query)."""
+
+    def to_host(self, tag, kv, host, slots, host_pages) -> None:
+        plan = LayeredChunkCopy(kv, host, slots, host_pages)
+        self.submit(tag, self._launch(plan, plan.to_host))
+
+    def to_device(self, tag, kv, host, slots, host_pages) -> None:
+        plan = LayeredChunkCopy(kv, host, slots, host_pages)
+        self.submit(tag, self._launch(plan, plan.to_device))
+
+
+def make_layered_copy_engine(kv: LayeredKVPool, threads: int = 2):
+    """The CUDA stream engine for a CUDA pool, worker threads otherwise."""
+    if kv.device.type == "cuda" and torch.cuda.is_available():
+        return LayeredCudaCopyEngine(kv.device)
+    return LayeredCpuCopyEngine(threads)

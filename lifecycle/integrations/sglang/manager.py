@@ -1,0 +1,167 @@
+"""``DecodeKVCacheOffloadManager``: SGLang 0.5.19's decode-offload manager, built on the lifecycle.
+
+Same constructor and the same calls as ``sglang.srt.disaggregation.decode_kvcache_offload_manager.
+DecodeKVCacheOffloadManager``, so SGLang's scheduler constructs and drives it unchanged (see
+``install``). Underneath: our ``DecodeOffloadManager`` (the checked lifecycle), our transfer stack
+reading SGLang's device buffers in place, our page-first host pool, the file store SGLang's
+``HiCacheFile`` reads, and a release sink that frees through SGLang's tree cache.
+"""
+
+from __future__ import annotations
+
+from lifecycle.integrations.sglang import runtime
+from lifecycle.integrations.sglang.config import OffloadConfig, read_config
+from lifecycle.integrations.sglang.device_pool import LayeredKVPool, from_sglang
+from lifecycle.integrations.sglang.errors import SGLangConfigError
+from lifecycle.integrations.sglang.layered_copy import make_layered_copy_engine
+from lifecycle.integrations.sglang.release import SGLangReleaseSink
+from lifecycle.integrations.sglang.storage import open_storage
+from lifecycle.log import get_logger
+from lifecycle.manager import DecodeOffloadManager
+from transfer.host_offloader import HostOffloader
+from transfer.host_pool import HostPool
+
+log = get_logger("lifecycle.integrations.sglang")
+
+
+class OngoingOffload:
+    """What SGLang reads of ``manager.ongoing_offload``: its ``len()``, the device -> host copies
+    not yet settled (0 means no device slot is held for an offload). Read-only."""
+
+    __slots__ = ("_mgr",)
+
+    def __init__(self, mgr: DecodeOffloadManager) -> None:
+        self._mgr = mgr
+
+    def __len__(self) -> int:
+        stats = self._mgr.stats()
+        return stats.inflight_writes + (1 if stats.quarantined_slots else 0)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+class DecodeKVCacheOffloadManager:
+    """A drop-in for SGLang 0.5.19's decode KV offload manager.
+
+    Args (SGLang's, passed by its scheduler):
+        req_to_token_pool: SGLang's ``ReqToTokenPool``.
+        token_to_kv_pool_allocator: its allocator; ``get_kvcache()`` must be an
+            ``MHATokenToKVPool`` or ``MLATokenToKVPool``.
+        tp_group: the TP (or attention-TP) CPU process group; None or a group of one: no agreement.
+        tree_cache: SGLang's prefix cache (``free_kv_row``, ``protected_size_``).
+    Raises:
+        SGLangConfigError: SGLang's configuration or pools ask for something unsupported (see
+            ``config.read_config`` and ``device_pool.from_sglang``); nothing is left allocated.
+    """
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, tp_group, tree_cache) -> None:
+        config = read_config(runtime.current())
+        get_kvcache = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
+        if not callable(get_kvcache):
+            raise SGLangConfigError("token_to_kv_pool_allocator has no get_kvcache()")
+        kv_cache = get_kvcache()
+        device = from_sglang(kv_cache)
+        tp_rank, tp_size = _tp_rank_size(tp_group)
+        sink = SGLangReleaseSink(tree_cache, req_to_token_pool)
+        host = HostPool(device.layers, device.heads, device.head_dim, device.dtype, config.page_size,
+                        _host_tokens(config, kv_cache, device), mla=device.mla)
+        storage = open_storage(config, host.page_nbytes, tp_rank, tp_size, device.mla)
+        offloader = None
+        try:
+            offloader = HostOffloader(device, host, storage, copy_engine=make_layered_copy_engine(device))
+            self.manager = DecodeOffloadManager(
+                req_to_token_pool, token_to_kv_pool_allocator, page_size=config.page_size,
+                offloader=offloader, offload_stride=config.offload_stride,
+                tp_group=tp_group if tp_size > 1 else None, **_sink_kw(sink),
+            )
+        except BaseException:
+            if offloader is not None:
+                offloader.close()
+            storage.close()
+            raise
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
+        self.tree_cache = tree_cache
+        self.tp_group, self.tp_rank, self.tp_world_size = tp_group, tp_rank, tp_size
+        self.config: OffloadConfig = config
+        self.page_size, self.offload_stride = config.page_size, config.offload_stride
+        self.device_pool: LayeredKVPool = device
+        self.decode_host_mem_pool: HostPool = host
+        self.storage, self.offloader, self.release_sink = storage, offloader, sink
+        self.ongoing_offload = OngoingOffload(self.manager)
+        self._released_host = False
+        log.info("sglang.decode_offload_enabled", page_size=config.page_size, stride=config.offload_stride,
+                 backend=config.storage_backend, storage_dir=config.storage_dir, suffix=storage.suffix,
+                 mla=device.mla, layers=device.layers, host_pages=host.num_pages, tp_rank=tp_rank, tp_size=tp_size)
+
+    # --- SGLang's calls ----------------------------------------------------------------------------
+
+    def offload_kv_cache(self, req) -> bool:
+        """After a decode step: enqueue the request's next full chunk. See ``DecodeOffloadManager``."""
+        return self.manager.offload_kv_cache(req)
+
+    def check_offload_progress(self) -> None:
+        """Every scheduler iteration: settle landed copies and stored pages, release finished requests."""
+        self.manager.check_offload_progress()
+
+    def finalize_release_on_finish(self, req) -> None:
+        """A finished request with nothing more to offload: release now or when its copies land."""
+        self.manager.finalize_release_on_finish(req)
+
+    def release_host_resources(self) -> None:
+        """At shutdown (SGLang calls it from the scheduler process's ``finally``): drain queued copies
+        and storage writes, stop the workers, close the store. Idempotent; never raises for work
+        still in flight (it is drained, or logged when a worker does not stop)."""
+        if self._released_host:
+            return
+        self._released_host = True
+        stats = self.manager.stats()
+        self.manager.shutdown(force=True)
+        self.storage.close()
+        log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
+                 inflight_writes=stats.inflight_writes, inflight_storage=stats.inflight_storage)
+
+    # --- inspection (tests, operators) --------------------------------------------------------------
+
+    def idle(self) -> bool:
+        """True when no copy and no storage write is in flight."""
+        return self.manager.idle()
+
+    def stats(self):
+        """The lifecycle's counters (``lifecycle.Stats``)."""
+        return self.manager.stats()
+
+    def check_integrity(self) -> None:
+        """Raise ``IntegrityError`` unless the lifecycle's tables agree."""
+        self.manager.check_integrity()
+
+
+def _sink_kw(sink) -> dict:  # TEMPORARY until lifecycle/release.py lands
+    import inspect
+    return {"release_sink": sink} if "release_sink" in inspect.signature(DecodeOffloadManager).parameters else {}
+
+
+def _tp_rank_size(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def _host_tokens(config: OffloadConfig, kv_cache, device: LayeredKVPool) -> int:
+    """SGLang's host pool size: ``hicache_size`` GB, else ``hicache_ratio`` x the device pool's
+    ``size``; rounded to whole pages plus one (``HostKVCache.__init__``)."""
+    per_token = device.kinds * device.layers * device.row_bytes
+    if config.host_size_gb > 0:
+        tokens = int(config.host_size_gb * 1e9 // per_token)
+    else:
+        size = getattr(kv_cache, "size", None)
+        if not isinstance(size, int) or size < 1:
+            raise SGLangConfigError(f"{type(kv_cache).__name__}.size must be a positive int, got {size!r}")
+        tokens = int(size * config.host_ratio)
+    return (tokens // config.page_size + 1) * config.page_size
+
+
+__all__ = ["DecodeKVCacheOffloadManager", "OngoingOffload"]

@@ -1,0 +1,91 @@
+"""The storage tier SGLang's configuration asks for, as a ``transfer`` ``Storage``.
+
+``file``: our ``FileStorage`` (HiCacheFile-compatible names and raw page bytes) in the directory
+SGLang's ``HiCacheFile`` uses (``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, default
+``/tmp/hicache``), with SGLang's key suffix (``hashing.storage_suffix``) and byte cap.
+
+MLA KV is the same on every TP rank; as in SGLang (``HiCacheController.backup_skip``), only rank 0
+writes it: other ranks get a ``ReplicaStorage`` whose writes are counted ``skipped`` and succeed
+without I/O, and which neither evicts nor cleans the shared directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+import hashing
+from transfer.errors import StorageUnavailable
+from transfer.storage.base import Storage, StorageStats, check_batch
+from transfer.storage.file import FileStorage
+
+from lifecycle.integrations.sglang.config import OffloadConfig
+from lifecycle.integrations.sglang.errors import SGLangConfigError
+
+
+class ReplicaStorage(Storage):
+    """A rank that does not write replicated pages: ``batch_set`` succeeds without writing (the
+    owning rank writes the same bytes under the same keys); reads and existence checks go to
+    ``reader``.
+
+    Args:
+        reader: the owning store's directory opened without a capacity bound.
+    """
+
+    def __init__(self, reader: Storage) -> None:
+        self.reader = reader
+        self.suffix, self.page_nbytes = reader.suffix, reader.page_nbytes
+        self._skipped = 0
+
+    def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
+        """Check the batch as any store does, write nothing, report every page stored.
+
+        Raises:
+            ValueError / PageSizeMismatch: as ``Storage.batch_set``.
+        """
+        check_batch(keys, pages, self.page_nbytes)
+        self._skipped += len(keys)
+        return [True] * len(keys)
+
+    def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
+        return self.reader.batch_get(keys, into)
+
+    def batch_exists(self, keys: Sequence[str]) -> int:
+        return self.reader.batch_exists(keys)
+
+    def delete(self, key: str) -> bool:
+        """Never deletes: the pages belong to the owning rank."""
+        return False
+
+    def stats(self) -> StorageStats:
+        stats = self.reader.stats()
+        stats.skipped += self._skipped
+        return stats
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_storage(config: OffloadConfig, page_nbytes: int, tp_rank: int, tp_size: int, mla: bool) -> Storage:
+    """The configured store for this rank.
+
+    Raises:
+        SGLangConfigError: an unsupported backend, or a directory that cannot be written.
+    """
+    if config.storage_backend != "file":  # read_config refuses these first; kept for direct callers
+        raise SGLangConfigError(f"storage backend {config.storage_backend!r} is not supported; supported: file")
+    try:
+        suffix = hashing.storage_suffix(config.model_name, tp_rank, tp_size, is_mla=mla,
+                                        pp_rank=config.pp_rank, pp_size=config.pp_size)
+    except ValueError as err:
+        raise SGLangConfigError(f"storage key suffix: {err}") from None
+    owner = not mla or tp_rank == 0
+    try:
+        store = FileStorage(config.storage_dir, suffix, page_nbytes,
+                            capacity_bytes=config.capacity_bytes if owner else None)
+    except StorageUnavailable as err:
+        raise SGLangConfigError(
+            f"file backend directory {config.storage_dir!r} is not writable "
+            f"(SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR): {err}") from err
+    return store if owner else ReplicaStorage(store)

@@ -1,0 +1,171 @@
+"""What the integration reads from SGLang's configuration, and the one typed error for what it
+cannot honour: raised at construction, before a directory, host pool or thread exists."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+from lifecycle import ConfigError, LifecycleError
+from lifecycle.integrations.sglang import (
+    DecodeKVCacheOffloadManager, SGLangConfigError, read_config, use_runtime,
+)
+from lifecycle.integrations.sglang.device_pool import from_sglang
+from lifecycle.integrations.sglang.runtime import current
+from lifecycle_tools.testkit import sglang_doubles as d
+from lifecycle_tools.testkit.sglang_doubles import runtime_context
+from tests.integrations.sglang_kit import Node, doubles_kit
+
+
+@pytest.fixture
+def store_dir(tmp_path, monkeypatch):
+    path = tmp_path / "hicache"
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(path))
+    for var in ("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
+                "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"):
+        monkeypatch.delenv(var, raising=False)
+    return str(path)
+
+
+def construct(node, ctx):
+    with use_runtime(ctx):
+        return DecodeKVCacheOffloadManager(req_to_token_pool=node.pool, token_to_kv_pool_allocator=node.alloc,
+                                           tp_group=None, tree_cache=node.tree)
+
+
+REFUSED = [
+    ({"backend": "mooncake"}, {}, "hicache-storage-backend 'mooncake'.*supported: file"),
+    ({"backend": None}, {}, "hicache-storage-backend None.*supported: file"),
+    ({"layout": "layer_first"}, {}, "hicache-mem-layout 'layer_first'.*supported: page_first"),
+    ({"layout": "page_first_direct"}, {}, "supported: page_first"),
+    ({"io_backend": "kernel_ascend"}, {}, "hicache-io-backend 'kernel_ascend'"),
+    ({"extra_config": "{not json"}, {}, "not valid JSON"),
+    ({"extra_config": "[1, 2]"}, {}, "must be a JSON object"),
+    ({"extra_config": '{"tp_lcm_size": 8}'}, {}, r"keys \['tp_lcm_size'\] are not supported"),
+    ({"extra_config": '{"min_free_space": "10G"}'}, {}, "min_free_space"),
+    ({}, {"SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE": "1Gi"}, "min_free_space"),
+    ({"extra_config": '{"eviction_ratio": 0.5}'}, {}, "eviction_ratio 0.5"),
+    ({}, {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "12X"}, "max_size '12X' is not a size"),
+    ({}, {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "1.5Gi"}, "not a size"),
+    ({}, {"SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE": "abc"}, "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE='abc'"),
+    ({"dcp_enabled": True}, {}, "decode context parallel"),
+    ({"model": ""}, {}, "served_model_name"),
+    ({"ratio": 0, "size_gb": 0}, {}, "hicache-ratio"),
+    ({"ratio": None}, {}, "hicache-ratio"),
+    ({"size_gb": -1}, {}, "hicache-size"),
+    ({"page_size": 0}, {}, "page_size"),
+    ({"pp_rank": 2, "pp_size": 2}, {}, "pp_rank"),
+]
+
+
+@pytest.mark.parametrize("ctx,env,match", REFUSED, ids=[m.split(".")[0][:40] for _, _, m in REFUSED])
+def test_unsupported_configuration_is_one_typed_error_and_creates_nothing(store_dir, monkeypatch, ctx, env, match):
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    node = Node(doubles_kit())
+    threads = threading.active_count()
+    with pytest.raises(SGLangConfigError, match=match) as info:
+        construct(node, runtime_context(**{"page_size": 4, **ctx}))
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, LifecycleError)
+    assert not os.path.exists(store_dir)
+    assert threading.active_count() == threads
+
+
+class HybridLinearKVPool:  # SGLang's own manager refuses it too
+    size, page_size = 512, 4
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: HybridLinearKVPool(), "unsupported KV cache type.*HybridLinearKVPool.*MHATokenToKVPool"),
+    (lambda: d.MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu", False, v_head_dim=4), "v_head_dim 4"),
+    (lambda: _with(d.MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu", False), kv_cache_layout="hnd"),
+     "layout 'hnd'"),
+    (lambda: _with(d.MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu", False),
+                   k_scale_buffer=[torch.zeros(1)]), "scale buffers"),
+    (lambda: _with(d.MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu", False), layer_shard_enabled=True),
+     "layer-sharded"),
+    (lambda: _with(d.MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu", False),
+                   v_buffer=[torch.zeros(68, 2, 8)]), "equal length"),
+    (lambda: _with(d.MHATokenToKVPool(64, 4, torch.bfloat16, 2, 8, 2, "cpu", False),
+                   v_buffer=[torch.zeros(68, 2, 8), torch.zeros(68, 2, 8)]), r"float32"),
+    (lambda: type("MHATokenToKVPoolFP4", (d.MHATokenToKVPool,), {})(64, 4, torch.bfloat16, 2, 8, 2, "cpu", False),
+     "MHATokenToKVPoolFP4"),
+])
+def test_unsupported_device_pools_are_refused(make, match):
+    with pytest.raises(SGLangConfigError, match=match):
+        from_sglang(make())
+
+
+def _with(obj, **attrs):
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    return obj
+
+
+def test_a_tree_cache_without_free_kv_row_is_refused(store_dir):
+    node = Node(doubles_kit())
+    node.tree = object()
+    with pytest.raises(SGLangConfigError, match="free_kv_row"):
+        construct(node, runtime_context(page_size=4))
+    assert not os.path.exists(store_dir)
+
+
+@pytest.mark.parametrize("raw,stride", [(None, 4), ("0", 4), ("-3", 4), ("2", 4), ("4", 4), ("10", 8), ("16", 16)])
+def test_stride_follows_sglangs_rule(raw, stride):
+    env = {} if raw is None else {"SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE": raw}
+    assert read_config(runtime_context(page_size=4), env).offload_stride == stride
+
+
+@pytest.mark.parametrize("extra,env,cap", [
+    (None, {}, None),
+    (None, {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "0"}, None),
+    (None, {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "2M"}, 2_000_000),
+    (None, {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "1.5G"}, 1_500_000_000),
+    ('{"max_size": "3Ki"}', {"SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE": "2M"}, 3072),  # extra config wins
+    ('{"max_size": 4096, "eviction_ratio": 0.9, "enable_metadata_cache": true}', {}, 4096),
+])
+def test_file_backend_capacity_as_sglang_reads_it(extra, env, cap):
+    assert read_config(runtime_context(page_size=4, extra_config=extra), env).capacity_bytes == cap
+
+
+def test_directory_and_naming_come_from_sglangs_settings(tmp_path):
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path / "x")}
+    cfg = read_config(runtime_context(page_size=8, model="a/b", pp_rank=1, pp_size=2), env)
+    assert (cfg.storage_dir, cfg.model_name, cfg.pp_rank, cfg.pp_size) == (str(tmp_path / "x"), "a/b", 1, 2)
+    assert read_config(runtime_context(), {}).storage_dir == "/tmp/hicache"  # HiCacheFile's default
+
+
+def test_the_byte_cap_bounds_the_store_directory(store_dir, monkeypatch):
+    node = Node(doubles_kit())
+    page = 2 * 4 * node.layers * node.heads * node.dim * 2  # bf16 MHA page, page-first
+    monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE", str(3 * page))
+    mgr = construct(node, runtime_context(page_size=4))
+    reqs = [node.admit("big", list(range(4)), 30)]
+    running = list(reqs)
+    while running:
+        running = node.decode_step(mgr, running)
+    node.drain(mgr)
+    files = [f for f in os.listdir(store_dir) if f.endswith(".bin")]
+    assert mgr.stats().pages_enqueued > 3 and len(files) == 3
+    assert sum(os.path.getsize(os.path.join(store_dir, f)) for f in files) <= 3 * page
+    assert mgr.storage.stats().evictions == mgr.stats().pages_enqueued - 3
+    mgr.release_host_resources()
+
+
+def test_without_sglang_or_an_override_the_runtime_context_is_a_config_error():
+    try:
+        import sglang.srt.runtime_context  # noqa: F401
+    except ImportError:
+        with pytest.raises(SGLangConfigError, match="use_runtime"):
+            current()
+    else:
+        pytest.skip("sglang is importable: its runtime context is the default")
+
+
+def test_use_runtime_refuses_an_object_without_the_getters():
+    with pytest.raises(SGLangConfigError, match="get_parallel"):
+        with use_runtime(object()):
+            pass
