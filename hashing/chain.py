@@ -52,7 +52,7 @@ def _pack(tokens: Sequence[int]) -> array:
 
 
 def _digest(prior_hex: str | None) -> bytes:
-    if prior_hex is None:
+    if prior_hex is None or prior_hex == "":  # SGLang's get_hash_str: an empty prior is no prior
         return b""
     if not isinstance(prior_hex, str) or len(prior_hex) != 64:
         raise ValueError(f"prior hash must be 64 lowercase hex characters, got {prior_hex!r}")

@@ -5,24 +5,52 @@ asks storage how many leading pages exist, allocates device slots and host pages
 queues the load (storage -> host pages -> device slots) on a worker thread. ``finished`` reports
 loads as they complete, frees the host staging pages and any device slots whose page could not be
 read (a page evicted between lookup and read ends the prefix there).
+
+Lookups run on the scheduler thread, so they never stall it nor raise for a storage outage: the
+existence check runs on a helper thread and is waited for at most ``lookup_timeout_s``; a tier
+that fails (``StorageError``, ``OSError``) or misses the deadline gives a miss (0 pages), counted
+in ``stats()`` and reported to a ``CircuitBreaker`` (the store's own ``breaker`` when it has one,
+e.g. ``RedisStorage``, so reads and writes share it). While the breaker is open, lookups are
+misses at once without asking the tier; after its backoff one lookup probes the tier again. The
+breaker logs one warning when the tier goes down and one line when it is back.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import msgspec
 import torch
 
 import hashing
 from transfer.allocator import PagedTokenAllocator
-from transfer.errors import Closed, UnknownId
+from transfer.errors import Closed, StorageError, UnknownId
 from transfer.gather import ChunkCopy
 from transfer.host_pool import HostPool
 from transfer.host_offloader import check_compatible
 from transfer.kv_pool import KVPool
+from transfer.log import get_logger
 from transfer.storage.base import Storage
+from transfer.storage.breaker import CircuitBreaker
+from transfer.storage.memory import MemoryStorage
 from transfer.worker import BackgroundWorker
+
+log = get_logger(__name__)
+
+
+class PrefixStats(msgspec.Struct):
+    """Lookups since construction. ``failed``: the tier raised; ``timed_out``: it missed the
+    deadline; ``skipped``: the breaker was open (the tier was not asked). All three are misses."""
+
+    lookups: int = 0
+    hits: int = 0
+    pages_found: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    skipped: int = 0
 
 
 class PrefixLoad(msgspec.Struct):
@@ -48,12 +76,20 @@ class PrefixLoader:
     Args:
         kv_pool, allocator, host_pool, storage: the stack's parts (same page size).
         threads: loader worker threads.
+        lookup_timeout_s: deadline of one existence check, in seconds (None: no helper thread,
+            the check runs on the caller's thread). An in-process ``MemoryStorage`` is always
+            asked directly.
+        breaker: guards the tier (None: the store's ``breaker`` attribute, else a new one).
     Raises:
-        ValueError: pools of different shape, or allocator and host pool page sizes differ.
+        ValueError: pools of different shape, allocator and host pool page sizes differ, or a
+            deadline that is not > 0.
     """
 
     def __init__(self, kv_pool: KVPool, allocator: PagedTokenAllocator, host_pool: HostPool,
-                 storage: Storage, threads: int = 1) -> None:
+                 storage: Storage, threads: int = 1, lookup_timeout_s: float | None = 0.05,
+                 breaker: CircuitBreaker | None = None) -> None:
+        if lookup_timeout_s is not None and not lookup_timeout_s > 0:
+            raise ValueError(f"lookup_timeout_s must be > 0 or None, got {lookup_timeout_s!r}")
         check_compatible(kv_pool, host_pool)
         if allocator.page_size != host_pool.page_size:
             raise ValueError(f"allocator page size {allocator.page_size} != host {host_pool.page_size}")
@@ -62,11 +98,62 @@ class PrefixLoader:
         self._worker = BackgroundWorker("kv-prefix-load", threads)
         self._pending: dict[int, _Pending] = {}
         self._closed = False
+        self.lookup_timeout_s = lookup_timeout_s
+        self.breaker = breaker or getattr(storage, "breaker", None) or CircuitBreaker(type(storage).__name__)
+        self._direct = lookup_timeout_s is None or isinstance(storage, MemoryStorage)
+        self._lookups: ThreadPoolExecutor | None = None
+        self._stats = PrefixStats()
+        self._stats_lock = threading.Lock()
 
     def lookup(self, tokens: Sequence[int], prior_hash: str | None = None) -> list[str]:
-        """Hashes of the leading pages of ``tokens`` present in storage (no loading)."""
+        """Hashes of the leading pages of ``tokens`` present in storage (no loading).
+
+        Never raises for the tier: down, hung past ``lookup_timeout_s`` or behind an open
+        breaker, it is a miss (``[]``), counted in ``stats()``.
+        Raises:
+            hashing.TokenRangeError: a bad token id. ValueError: a malformed ``prior_hash``.
+        """
         hashes = hashing.page_hashes(tokens, self.page_size, prior_hash)
-        return hashes[: self.storage.batch_exists(hashes)]
+        n = self._exists(hashes) if hashes else 0
+        with self._stats_lock:
+            self._stats.lookups += 1
+            self._stats.hits += n > 0
+            self._stats.pages_found += n
+        return hashes[:n]
+
+    def _exists(self, hashes: list[str]) -> int:
+        if not self.breaker.allow():
+            self._count("skipped")
+            return 0
+        try:
+            if self._direct:
+                n = self.storage.batch_exists(hashes)
+            else:
+                n = self._lookup_pool().submit(self.storage.batch_exists, hashes).result(self.lookup_timeout_s)
+        except FutureTimeout:
+            self._count("timed_out")
+            self.breaker.failure(f"lookup took longer than {self.lookup_timeout_s}s")
+            return 0
+        except (StorageError, OSError) as err:
+            self._count("failed")
+            self.breaker.failure(err)
+            return 0
+        self.breaker.success()
+        return n
+
+    def _lookup_pool(self) -> ThreadPoolExecutor:
+        if self._lookups is None:
+            self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kv-prefix-lookup")
+        return self._lookups
+
+    def _count(self, field: str) -> None:
+        with self._stats_lock:
+            setattr(self._stats, field, getattr(self._stats, field) + 1)
+
+    def stats(self) -> PrefixStats:
+        """A snapshot of the lookup counters."""
+        with self._stats_lock:
+            return msgspec.structs.replace(self._stats)
 
     def start(self, load_id: int, tokens: Sequence[int], prior_hash: str | None = None,
               max_pages: int | None = None) -> int | None:
@@ -149,3 +236,5 @@ class PrefixLoader:
         """Refuse new loads and let queued ones finish (still reported by ``finished``)."""
         self._closed = True
         self._worker.close()
+        if self._lookups is not None:  # a lookup stuck on a hung tier is abandoned, not waited for
+            self._lookups.shutdown(wait=False, cancel_futures=True)

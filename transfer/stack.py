@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +14,10 @@ from transfer.kv_pool import KVPool
 from transfer.prefix import PrefixLoader
 from transfer.req_pool import ReqToTokenPool
 from transfer.storage.base import Storage
-from transfer.storage.file import FileStorage
-from transfer.storage.memory import MemoryStorage
-from transfer.storage.spec import is_redis_spec, open_storage
+from transfer.storage.integrity import PageFormat
+from transfer.storage.spec import open_storage
+
+HOST_LAYOUT = "page_first"  # SGLang's default host layout; recorded in every page's seal
 
 
 @dataclass
@@ -57,6 +57,13 @@ def build_stack(
     tp_size: int = 1,
     storage_capacity_bytes: int | None = None,
     storage_ttl_s: float | None = None,
+    *,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    attn_cp_rank: int = 0,
+    attn_cp_size: int = 1,
+    storage_require_checksum: bool = False,
+    lookup_timeout_s: float | None = 0.05,
 ) -> TransferStack:
     """Build a stack.
 
@@ -69,9 +76,14 @@ def build_stack(
         storage: "memory", "file:DIR", "redis://HOST:PORT/DB" (Redis or Valkey), or a ready ``Storage``.
         device: "cpu" or "cuda".
         mla: latent-only KV.
-        model_name, tp_rank, tp_size: name pages as SGLang does (``hashing.storage_suffix``).
+        model_name, tp_rank, tp_size, pp_rank, pp_size, attn_cp_rank, attn_cp_size: name pages as
+            SGLang does (``hashing.storage_suffix``).
         storage_capacity_bytes: LRU bound for a built backend.
         storage_ttl_s: page expiry for a Redis backend (None: never).
+        storage_require_checksum: strict mode: a stored page without a seal is a miss.
+        lookup_timeout_s: the prefix loader's deadline on a storage lookup (``PrefixLoader``).
+    A built backend seals every page with ``page_format(...)``: layout ``page_first``, the KV
+    dtype and the host page shape.
     Raises:
         ValueError: bad sizes or an unknown storage spec. StorageUnavailable: unwritable dir, or
         an unreachable Redis server.
@@ -81,19 +93,11 @@ def build_stack(
     if isinstance(storage, Storage):
         store = storage
     else:
-        suffix = hashing.storage_suffix(model_name, tp_rank, tp_size, is_mla=mla)
-        if storage == "memory":
-            store = MemoryStorage(suffix, host.page_nbytes, storage_capacity_bytes)
-        elif isinstance(storage, str) and storage.startswith("file:") and len(storage) > 5:
-            store = FileStorage(os.path.expanduser(storage[5:]), suffix, host.page_nbytes,
-                                storage_capacity_bytes)
-        elif is_redis_spec(storage):
-            store = open_storage(storage, suffix, host.page_nbytes, capacity_bytes=storage_capacity_bytes,
-                                 ttl_s=storage_ttl_s, page_dtype=dtype,
-                                 page_shape=tuple(host.buffer.shape[1:]))
-        else:
-            raise ValueError(
-                f"storage must be 'memory', 'file:DIR', 'redis://HOST:PORT/DB' or a Storage, got {storage!r}")
+        suffix = hashing.storage_suffix(model_name, tp_rank, tp_size, is_mla=mla, pp_rank=pp_rank,
+                                        pp_size=pp_size, attn_cp_rank=attn_cp_rank, attn_cp_size=attn_cp_size)
+        store = open_storage(storage, suffix, host.page_nbytes, capacity_bytes=storage_capacity_bytes,
+                             ttl_s=storage_ttl_s, page_format=page_format(host),
+                             require_checksum=storage_require_checksum)
     allocator = PagedTokenAllocator(device_tokens, page_size)
     return TransferStack(
         kv_pool=kv,
@@ -102,5 +106,14 @@ def build_stack(
         host_pool=host,
         storage=store,
         offloader=HostOffloader(kv, host, store),
-        prefix_loader=PrefixLoader(kv, allocator, host, store),
+        prefix_loader=PrefixLoader(kv, allocator, host, store, lookup_timeout_s=lookup_timeout_s),
     )
+
+
+def page_format(host: HostPool) -> PageFormat:
+    """The format of the host pool's pages as SGLang's page_first host layout names it: MHA
+    ``(2, page_size, layers, heads, head_dim)``, MLA ``(page_size, layers, 1, latent width)``."""
+    shape = tuple(host.buffer.shape[1:])
+    if host.mla:
+        shape = shape[1:]  # the single latent kind
+    return PageFormat.of(HOST_LAYOUT, host.buffer.dtype, shape)

@@ -76,10 +76,10 @@ class GatedStorage(MemoryStorage):
         self.gate = threading.Event()
         self.gate.set()
 
-    def _write(self, name, page):
+    def _write(self, name, page, seal_bytes):
         if not self.gate.wait(10):
             raise OSError(errno.EIO, "test gate never opened")
-        super()._write(name, page)
+        super()._write(name, page, seal_bytes)
 
 
 def make(host_tokens=32, engine=None, storage=None, **kw):
@@ -454,7 +454,8 @@ def test_bit_flip_is_detected_by_checksum_and_removed(tmp_path, where):
     out = [torch.empty(NB, dtype=torch.uint8) for _ in range(2)]
     with capture_logs() as logs:
         assert s.batch_get(k, out) == [False, True]
-    assert events(logs, "file_storage.corrupt_page")[0]["log_level"] == "error"
+    (ev,) = events(logs, "storage.page_refused")
+    assert ev["log_level"] == "error" and ev["verdict"] == "corrupt"
     assert not out[0].any() and torch.equal(out[1], pg(2))
     st = s.stats()
     assert (st.corrupt, st.misses, st.hits) == (1, 1, 1)
@@ -474,10 +475,11 @@ def test_page_without_checksum_accepted_unverified_or_refused(tmp_path):
     strict = FileStorage(tmp_path, SUFFIX, NB, require_checksum=True)
     with capture_logs() as logs:
         assert strict.batch_get([k], [out]) == [False]
-    assert events(logs, "file_storage.unverified_refused") and strict.stats().unverified == 1
+    (ev,) = events(logs, "storage.unverified_page")
+    assert ev["served"] is False and strict.stats().unverified == 1
     assert (tmp_path / f"{k}{SUFFIX}.bin").exists()  # not ours to delete
-    off = FileStorage(tmp_path, SUFFIX, NB, checksum=False)
-    assert off.batch_get([k], [out]) == [True] and off.stats().unverified == 0
+    off = FileStorage(tmp_path, SUFFIX, NB, checksum=False)  # verification off: still counted
+    assert off.batch_get([k], [out]) == [True] and off.stats().unverified == 1
 
 
 class Crash(BaseException):
@@ -534,8 +536,8 @@ def test_short_write_is_completed_not_truncated(tmp_path, monkeypatch):
     assert s.stats().corrupt == 0
 
 
-def test_checksum_overlap_path_on_large_pages(tmp_path):
-    big = 1 << 20  # at least _OVERLAP_BYTES: the crc is computed on the store's helper thread
+def test_large_pages_written_concurrently_verify(tmp_path):
+    big = 1 << 20
     s = FileStorage(tmp_path, SUFFIX, big)
     assert s.batch_set(keys(2), [pg(0, big), pg(1, big)]) == [True, True]
     out = torch.empty(big, dtype=torch.uint8)

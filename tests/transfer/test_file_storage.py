@@ -18,6 +18,9 @@ def page(i):
     return torch.full((NB,), i, dtype=torch.uint8)
 
 
+A, B, C, D, E, Z = (f"{i:x}" * 64 for i in (10, 11, 12, 13, 14, 15))  # page hashes "aaaa...", "bbbb..."
+
+
 def test_files_named_like_hicachefile_with_raw_bytes(tmp_path):
     s = FileStorage(tmp_path, SUFFIX, NB)
     h = hashing.page_hashes(list(range(4)), 4)[0]
@@ -37,11 +40,11 @@ def test_no_torn_file_visible_during_write(tmp_path, monkeypatch):
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", spy)
-    s.batch_set(["a"], [page(1)])
+    s.batch_set([A], [page(1)])
     (names, size), = seen
     assert names == [n for n in names if n.startswith(".") and n.endswith(".tmp")]  # final absent
     assert size == NB
-    assert os.listdir(tmp_path) == [f"a{SUFFIX}.bin"]
+    assert os.listdir(tmp_path) == [f"{A}{SUFFIX}.bin"]
 
 
 def test_failed_replace_leaves_no_file(tmp_path, monkeypatch):
@@ -51,52 +54,52 @@ def test_failed_replace_leaves_no_file(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "replace", enospc)
-    assert s.batch_set(["a"], [page(1)]) == [False]
+    assert s.batch_set([A], [page(1)]) == [False]
     assert os.listdir(tmp_path) == [] and s.stats().errors == 1
 
 
 def test_index_rebuilt_at_restart_and_stale_temps_removed(tmp_path):
     s = FileStorage(tmp_path, SUFFIX, NB)
-    s.batch_set(["a", "b"], [page(1), page(2)])
+    s.batch_set([A, B], [page(1), page(2)])
     old = time.time() - 3600
-    os.utime(tmp_path / f"a{SUFFIX}.bin", (old, old))  # a is least recently used
-    stale = tmp_path / f".c{SUFFIX}.bin.deadbeef.tmp"
+    os.utime(tmp_path / f"{A}{SUFFIX}.bin", (old, old))  # a is least recently used
+    stale = tmp_path / f".{C}{SUFFIX}.bin.{'de' * 16}.tmp"
     stale.write_bytes(b"torn")
     os.utime(stale, (old, old))
-    fresh = tmp_path / f".d{SUFFIX}.bin.cafe.tmp"
+    fresh = tmp_path / f".{D}{SUFFIX}.bin.{'ca' * 16}.tmp"
     fresh.write_bytes(b"in progress")
     other = tmp_path / "x_other-model_0_1.bin"
     other.write_bytes(b"not ours")
-    (tmp_path / f"short{SUFFIX}.bin").write_bytes(b"wrong size")
+    (tmp_path / f"{E}{SUFFIX}.bin").write_bytes(b"wrong size")
 
     s2 = FileStorage(tmp_path, SUFFIX, NB, capacity_pages=2)
     assert not stale.exists() and fresh.exists() and other.exists()
-    assert s2.batch_exists(["a", "b"]) == 2 and s2.stats().pages == 2
-    s2.batch_set(["e"], [page(5)])  # evicts a, the oldest
-    assert not (tmp_path / f"a{SUFFIX}.bin").exists()
+    assert s2.batch_exists([A, B]) == 2 and s2.stats().pages == 2
+    s2.batch_set([E], [page(5)])  # evicts a, the oldest
+    assert not (tmp_path / f"{A}{SUFFIX}.bin").exists()
     out = torch.empty(NB, dtype=torch.uint8)
-    assert s2.batch_get(["b"], [out]) == [True] and torch.equal(out, page(2))
+    assert s2.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
 
 
 def test_capacity_applied_at_restart(tmp_path):
     s = FileStorage(tmp_path, SUFFIX, NB)
-    s.batch_set(["a", "b", "c"], [page(1), page(2), page(3)])
+    s.batch_set([A, B, C], [page(1), page(2), page(3)])
     s2 = FileStorage(tmp_path, SUFFIX, NB, capacity_pages=1)
     assert s2.stats().pages == 1 and len(os.listdir(tmp_path)) == 1
 
 
 def test_page_written_by_another_node_is_found(tmp_path):
     s = FileStorage(tmp_path, SUFFIX, NB)
-    (tmp_path / f"z{SUFFIX}.bin").write_bytes(bytes(NB))
-    assert s.batch_exists(["z"]) == 1
+    (tmp_path / f"{Z}{SUFFIX}.bin").write_bytes(bytes(NB))
+    assert s.batch_exists([Z]) == 1
 
 
 def test_file_deleted_behind_our_back_is_a_miss(tmp_path):
     s = FileStorage(tmp_path, SUFFIX, NB)
-    s.batch_set(["a"], [page(1)])
-    os.unlink(tmp_path / f"a{SUFFIX}.bin")
-    assert s.batch_get(["a"], [torch.empty(NB, dtype=torch.uint8)]) == [False]
-    assert s.batch_exists(["a"]) == 0
+    s.batch_set([A], [page(1)])
+    os.unlink(tmp_path / f"{A}{SUFFIX}.bin")
+    assert s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)]) == [False]
+    assert s.batch_exists([A]) == 0
 
 
 def test_unwritable_directory_raises_at_construction(tmp_path):
@@ -112,5 +115,77 @@ def test_directory_removed_after_start_fails_writes(tmp_path):
     s = FileStorage(d, SUFFIX, NB)
     os.rmdir(d)
     d.write_bytes(b"")  # now a regular file: every open() under it fails with ENOTDIR
-    assert s.batch_set(["a"], [page(1)]) == [False]
+    assert s.batch_set([A], [page(1)]) == [False]
     assert s.stats().errors == 1
+
+
+# --- exact ownership: another deployment's files are never touched ------------------------------
+
+def test_foreign_suffix_pages_of_the_right_size_are_never_adopted_or_evicted(tmp_path):
+    ours = "_Llama-3-8B_0_1"
+    theirs = [f"{A}_team-ft_Llama-3-8B_0_1.bin",  # ends with our suffix: not ours
+              f"{B}_x_model_0_1.bin", f"x{A}{ours}.bin", f"{A[:-1]}{ours}.bin", f"{A}{ours}.bin.bak",
+              f"{A.upper()}{ours}.bin", f"{A}.kv{ours}.bin"]
+    for name in theirs:
+        (tmp_path / name).write_bytes(bytes(NB))  # the right size
+    temps = [f".{A}_team-ft_Llama-3-8B_0_1.bin.{'ab' * 16}.tmp", f".{A}{ours}.bin.short.tmp"]
+    old = time.time() - 3600
+    for name in temps:
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (old, old))
+    s = FileStorage(tmp_path, ours, NB, capacity_pages=1, stale_temp_s=0)  # restart, tight bound
+    assert s.stats().pages == 0  # none of them adopted
+    s.batch_set([C, D], [page(1), page(2)])  # evicts within our own pages only
+    assert s.stats().evictions == 1
+    for name in theirs + temps:
+        assert (tmp_path / name).exists(), name
+    assert s.batch_exists([A]) == 0 and s.batch_exists([B]) == 0
+    assert not s.delete(A) and (tmp_path / theirs[0]).exists()
+
+
+def test_default_model_name_does_not_claim_other_models(tmp_path):
+    other = tmp_path / f"{A}_org-model_0_1.bin"  # '*_model_0_1' but model 'org/model'
+    other.write_bytes(bytes(NB))
+    s = FileStorage(tmp_path, hashing.storage_suffix("model"), NB, capacity_pages=1)
+    s.batch_set([B, C], [page(1), page(2)])
+    assert other.exists() and s.stats().pages == 1
+
+
+# --- batch_set / batch_exists tell the truth about the disk -------------------------------------
+
+def test_indexed_page_deleted_behind_the_store_is_rewritten_by_set(tmp_path):
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.batch_set([A], [page(1)])
+    os.unlink(tmp_path / f"{A}{SUFFIX}.bin")  # another process sharing the directory evicted it
+    assert s.batch_set([A], [page(1)]) == [True]
+    assert (tmp_path / f"{A}{SUFFIX}.bin").exists() and s.stats().stored == 2 and s.stats().skipped == 0
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert s.batch_get([A], [out]) == [True] and torch.equal(out, page(1))
+
+
+def test_batch_exists_stats_not_reads(tmp_path, monkeypatch):
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.batch_set([A, B], [page(1), page(2)])
+    import builtins
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: (_ for _ in ()).throw(AssertionError("read")))
+    assert s.batch_exists([A, B]) == 2
+    os.unlink(tmp_path / f"{B}{SUFFIX}.bin")
+    assert s.batch_exists([A, B]) == 1
+
+
+# --- unverified pages are never silent ----------------------------------------------------------
+
+def test_unverified_pages_counted_warned_once_and_refused_in_strict_mode(tmp_path):
+    from structlog.testing import capture_logs
+    for key in (A, B):  # as SGLang (or cp -r without xattrs) leaves them: raw bytes, no seal
+        (tmp_path / f"{key}{SUFFIX}.bin").write_bytes(bytes(page(3).numpy()))
+    lax = FileStorage(tmp_path, SUFFIX, NB)
+    out = torch.empty(NB, dtype=torch.uint8)
+    with capture_logs() as logs:
+        assert lax.batch_get([A, B], [out, out.clone()]) == [True, True]
+    assert lax.stats().unverified == 2 and torch.equal(out, page(3))
+    assert [e["event"] for e in logs].count("storage.unverified_page") == 1  # once per store
+    strict = FileStorage(tmp_path, SUFFIX, NB, require_checksum=True)
+    assert strict.batch_exists([A]) == 0
+    assert strict.batch_get([A], [out]) == [False] and strict.stats().unverified == 1
+    assert (tmp_path / f"{A}{SUFFIX}.bin").exists()  # refused, not deleted: it is SGLang's page

@@ -107,7 +107,7 @@ def test_out_of_order_acks_and_busy_pages():
 def test_storage_failure_counted_reported_and_host_pages_freeable(monkeypatch):
     off, kv, host, store = make()
 
-    def enospc(name, page):
+    def enospc(name, page, *seal):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(store, "_write", enospc)
@@ -141,9 +141,9 @@ def test_failed_copy_poisons_pages():
     eng.to_host = lambda tag, *a: eng.submit(tag, lambda: 1 / 0)
     h = off.write(torch.arange(8, 12), 1)
     assert drain(off.finished_writes, 1) == [1] and off.stats().copy_failures == 1
-    op = off.write_storage(h, [1, 2, 3, 4], ["k"])
+    op = off.write_storage(h, [1, 2, 3, 4], ["0" * 64])
     assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
-    assert store.batch_exists(["k"]) == 0
+    assert store.batch_exists(["0" * 64]) == 0
     off.free_host(h)
     off.close()
 

@@ -3,6 +3,8 @@ and a decode run through the whole stack and manager that survives the server go
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -15,6 +17,9 @@ from lifecycle import State
 from tests.support.decode_driver import DIM, HEADS, LAYERS, MAX_LEN, PS, ROWS, Scheduler
 from lifecycle_tools.testkit.redis_server import free_port
 from transfer import StorageUnavailable, build_stack, open_storage
+from transfer.errors import StorageConfigError
+from transfer.storage.breaker import CircuitBreaker
+from transfer.storage.integrity import PageFormat
 from transfer.storage.redis import HEADER_NBYTES, RedisStorage
 
 NB = 64
@@ -22,6 +27,13 @@ NB = 64
 
 def page(i: int) -> torch.Tensor:
     return torch.full((NB,), i, dtype=torch.uint8)
+
+
+def key(i: int) -> str:
+    return f"{i:064x}"
+
+
+A, B, K1, K2, K3 = key(0xa), key(0xb), key(1), key(2), key(3)
 
 
 def raw_client(url: str) -> redis.Redis:
@@ -53,8 +65,7 @@ def test_open_storage_specs(tmp_path, redis_url):
 
 
 def test_keys_follow_the_file_store_naming(redis_url):
-    s = RedisStorage(redis_url, hashing.storage_suffix("org/tiny", 1, 2), NB, page_dtype=torch.uint8,
-                     page_shape=(NB,))
+    s = RedisStorage(redis_url, hashing.storage_suffix("org/tiny", 1, 2), NB)
     h = hashing.page_hashes(list(range(4)), 4)[0]
     s.batch_set([h], [page(7)])
     c = raw_client(redis_url)
@@ -68,29 +79,29 @@ def test_other_clients_see_pages_without_local_state(redis_url):
     a = RedisStorage(redis_url, "_m_0_1", NB)
     b = RedisStorage(redis_url, "_m_0_1", NB)
     other_rank = RedisStorage(redis_url, "_m_1_2", NB)
-    a.batch_set(["k1", "k2"], [page(1), page(2)])
-    assert b.batch_exists(["k1", "k2", "k3"]) == 2 and other_rank.batch_exists(["k1"]) == 0
+    a.batch_set([K1, K2], [page(1), page(2)])
+    assert b.batch_exists([K1, K2, K3]) == 2 and other_rank.batch_exists([K1]) == 0
     out = [torch.empty(NB, dtype=torch.uint8) for _ in range(2)]
-    assert b.batch_get(["k2", "k1"], out) == [True, True]
+    assert b.batch_get([K2, K1], out) == [True, True]
     assert torch.equal(out[0], page(2)) and torch.equal(out[1], page(1))
-    assert b.batch_set(["k1"], [page(9)]) == [True] and b.stats().skipped == 1  # first write wins
+    assert b.batch_set([K1], [page(9)]) == [True] and b.stats().skipped == 1  # first write wins
     for s in (a, b, other_rank):
         s.close()
 
 
 def test_corrupt_page_is_a_counted_miss_and_is_removed(redis_url):
     s = RedisStorage(redis_url, "_m_0_1", NB)
-    s.batch_set(["a", "b"], [page(1), page(2)])
+    s.batch_set([A, B], [page(1), page(2)])
     c = raw_client(redis_url)
-    c.setrange("a_m_0_1", HEADER_NBYTES + 5, b"\xff")  # flip a body byte: same size, bad checksum
-    c.set("b_m_0_1", b"not a page")  # foreign value
+    c.setrange(A + "_m_0_1", HEADER_NBYTES + 5, b"\xff")  # flip a body byte: same size, bad checksum
+    c.set(B + "_m_0_1", b"not a page")  # foreign value
     out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(2)]
-    assert s.batch_get(["a", "b"], out) == [False, False]
+    assert s.batch_get([A, B], out) == [False, False]
     assert torch.equal(out[0], torch.zeros(NB, dtype=torch.uint8))  # nothing copied out
     st = s.stats()
     assert st.corrupt == 2 and st.misses == 2 and st.hits == 0
-    assert c.exists("a_m_0_1", "b_m_0_1") == 0  # so a later write can repair them
-    assert s.batch_set(["a"], [page(1)]) == [True] and s.batch_get(["a"], out[:1]) == [True]
+    assert c.exists(A + "_m_0_1", B + "_m_0_1") == 0  # so a later write can repair them
+    assert s.batch_set([A], [page(1)]) == [True] and s.batch_get([A], out[:1]) == [True]
     assert torch.equal(out[0], page(1))
     c.close()
     s.close()
@@ -98,41 +109,41 @@ def test_corrupt_page_is_a_counted_miss_and_is_removed(redis_url):
 
 def test_truncated_page_is_not_found(redis_url):
     s = RedisStorage(redis_url, "_m_0_1", NB)
-    s.batch_set(["a", "b"], [page(1), page(2)])
+    s.batch_set([A, B], [page(1), page(2)])
     c = raw_client(redis_url)
-    c.set("b_m_0_1", c.get("b_m_0_1")[:-1])
-    assert s.batch_exists(["a", "b"]) == 1
-    assert s.batch_get(["b"], [torch.empty(NB, dtype=torch.uint8)]) == [False] and s.stats().corrupt == 1
+    c.set(B + "_m_0_1", c.get(B + "_m_0_1")[:-1])
+    assert s.batch_exists([A, B]) == 1
+    assert s.batch_get([B], [torch.empty(NB, dtype=torch.uint8)]) == [False] and s.stats().corrupt == 1
     c.close()
     s.close()
 
 
 def test_dtype_or_shape_mismatch_is_a_miss(redis_url):
-    w = RedisStorage(redis_url, "_m_0_1", NB, page_dtype=torch.bfloat16, page_shape=(2, 16))
-    r = RedisStorage(redis_url, "_m_0_1", NB, page_dtype=torch.float16, page_shape=(2, 16))
-    w.batch_set(["a"], [page(3)])
+    w = RedisStorage(redis_url, "_m_0_1", NB, page_format=PageFormat.of("page_first", torch.bfloat16, (2, 16)))
+    r = RedisStorage(redis_url, "_m_0_1", NB, page_format=PageFormat.of("page_first", torch.float16, (2, 16)))
+    w.batch_set([A], [page(3)])
     buf = torch.empty(NB, dtype=torch.uint8)
-    assert r.batch_get(["a"], [buf]) == [False] and r.stats().mismatched == 1
-    assert w.batch_get(["a"], [buf]) == [True] and torch.equal(buf, page(3))
+    assert r.batch_get([A], [buf]) == [False] and r.stats().foreign == 1
+    assert w.batch_get([A], [buf]) == [True] and torch.equal(buf, page(3))
     w.close()
     r.close()
 
 
 def test_ttl_is_set_and_refreshed_on_read(redis_url):
     s = RedisStorage(redis_url, "_m_0_1", NB, ttl_s=30)
-    s.batch_set(["a"], [page(1)])
+    s.batch_set([A], [page(1)])
     c = raw_client(redis_url)
-    assert 0 < c.pttl("a_m_0_1") <= 30_000
-    c.pexpire("a_m_0_1", 10_000)
-    assert s.batch_get(["a"], [torch.empty(NB, dtype=torch.uint8)]) == [True]
-    assert c.pttl("a_m_0_1") > 10_000
+    assert 0 < c.pttl(A + "_m_0_1") <= 30_000
+    c.pexpire(A + "_m_0_1", 10_000)
+    assert s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)]) == [True]
+    assert c.pttl(A + "_m_0_1") > 10_000
     c.close()
     s.close()
 
 
 def test_large_batches_split_across_round_trips(redis_url):
     s = RedisStorage(redis_url, "_m_0_1", NB, pipeline_bytes=3 * NB)
-    keys = [f"k{i}" for i in range(10)]
+    keys = [key(100 + i) for i in range(10)]
     assert s.batch_set(keys, [page(i) for i in range(10)]) == [True] * 10
     out = [torch.empty(NB, dtype=torch.uint8) for _ in keys]
     assert s.batch_get(keys, out) == [True] * 10
@@ -146,29 +157,117 @@ def test_server_refusing_writes_under_maxmemory(make_redis_server):
     s = RedisStorage(server.url, "_m_0_1", NB)
     c.config_set("maxmemory-policy", "noeviction")
     c.config_set("maxmemory", 1)
-    assert s.batch_set(["a", "b"], [page(1), page(2)]) == [False, False]
+    assert s.batch_set([A, B], [page(1), page(2)]) == [False, False]
     assert s.stats().errors == 1 and s.stats().stored == 0
     c.config_set("maxmemory", 0)
-    assert s.batch_set(["a", "b"], [page(1), page(2)]) == [True, True]
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
     c.close()
     s.close()
 
 
-def test_server_down_raises_typed_errors_then_recovers(make_redis_server):
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_server_down_raises_typed_errors_breaker_fails_fast_then_recovers(make_redis_server):
     server = make_redis_server()
-    s = RedisStorage(server.url, "_m_0_1", NB, socket_timeout_s=1.0)
-    assert s.batch_set(["a"], [page(1)]) == [True]
+    clock = Clock()
+    s = RedisStorage(server.url, "_m_0_1", NB, socket_timeout_s=1.0,
+                     breaker=CircuitBreaker("test", base_backoff_s=1.0, clock=clock))
+    assert s.batch_set([A], [page(1)]) == [True]
     server.stop()
-    t = time.monotonic()
-    for op in (lambda: s.batch_set(["b"], [page(2)]),
-               lambda: s.batch_get(["a"], [torch.empty(NB, dtype=torch.uint8)]),
-               lambda: s.batch_exists(["a"]), lambda: s.delete("a")):
+    with structlog.testing.capture_logs() as logs:
         with pytest.raises(StorageUnavailable, match="unreachable"):
-            op()
-    assert time.monotonic() - t < 5.0 and s.stats().errors == 4
-    server.start()  # same port, empty (no persistence)
-    assert s.batch_set(["b"], [page(2)]) == [True] and s.batch_exists(["b"]) == 1
+            s.batch_set([B], [page(2)])  # the first call finds the server gone: the breaker opens
+        for op in (lambda: s.batch_set([B], [page(2)]),
+                   lambda: s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)]),
+                   lambda: s.batch_exists([A]), lambda: s.delete(A)):
+            t = time.monotonic()
+            with pytest.raises(StorageUnavailable, match="circuit open"):
+                op()  # reads and writes alike: refused at once, the network is not touched
+            assert time.monotonic() - t < 0.05
+        clock.t += 1.0  # the backoff elapsed: the next call probes (the server is still down)
+        with pytest.raises(StorageUnavailable, match="unreachable"):
+            s.batch_exists([A])
+        assert s.breaker.retry_in() == pytest.approx(2.0)  # doubled
+        server.start()  # same port, empty (no persistence)
+        with pytest.raises(StorageUnavailable, match="circuit open"):
+            s.batch_exists([A])
+        clock.t += 2.0
+        assert s.batch_set([B], [page(2)]) == [True] and s.batch_exists([B]) == 1
+    st = s.stats()
+    assert st.errors == 2 and st.unavailable == 2 + 5
+    events = [e["event"] for e in logs]
+    assert events.count("storage.tier_down") == 1 and events.count("storage.tier_recovered") == 1
     s.close()
+
+
+def test_sigstopped_server_times_out_then_fails_fast(make_redis_server):
+    server = make_redis_server()
+    s = RedisStorage(server.url, "_m_0_1", NB, socket_timeout_s=0.3)
+    assert s.batch_set([A], [page(1)]) == [True]
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        with pytest.raises(StorageUnavailable, match="unreachable"):
+            s.batch_exists([A])  # waits out one socket timeout
+        with pytest.raises(StorageUnavailable, match="circuit open"):
+            s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)])  # then never again while open
+        assert time.monotonic() - t < 2.0
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    s.close()
+
+
+def test_bad_urls_are_config_errors_at_open():
+    for url in ("redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/0?db=x", "redis://127.0.0.1:notaport/0",
+                "redis://127.0.0.1:70000/0", "redis:///0", "http://127.0.0.1:6379/0"):
+        with pytest.raises(StorageConfigError):
+            RedisStorage(url, "_m_0_1", NB, check=False)
+    with pytest.raises(StorageConfigError):
+        open_storage("redis://127.0.0.1:6379/abc", "_m_0_1", NB)
+
+
+def test_delete_reports_what_the_server_did(make_redis_server):
+    primary, replica = make_redis_server(), make_redis_server()
+    p = RedisStorage(primary.url, "_m_0_1", NB)
+    p.batch_set([A], [page(1)])
+    c = raw_client(replica.url)
+    c.replicaof("127.0.0.1", primary.port)
+    deadline = time.monotonic() + 10
+    while c.get(A + "_m_0_1") is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = RedisStorage(replica.url, "_m_0_1", NB)
+    assert r.batch_exists([A]) == 1
+    assert r.delete(A) is False and r.stats().errors == 1  # READONLY: refused, reported
+    assert r.batch_exists([A]) == 1
+    assert p.delete(A) is True and p.delete(A) is False
+    c.replicaof("NO", "ONE")
+    c.close()
+    for s in (p, r):
+        s.close()
+
+
+def test_exists_counts_only_our_pages_and_set_repairs_foreign_values(redis_url):
+    fmt = PageFormat.of("page_first", torch.bfloat16, (2, 16))
+    other = RedisStorage(redis_url, "_m_0_1", NB, page_format=PageFormat.of("page_first", torch.float16, (2, 16)))
+    s = RedisStorage(redis_url, "_m_0_1", NB, page_format=fmt)
+    other.batch_set([A], [page(4)])  # same length, another dtype
+    c = raw_client(redis_url)
+    c.set(B + "_m_0_1", b"x" * (HEADER_NBYTES + NB))  # same length, not a page at all
+    assert s.batch_exists([A]) == 0 and s.batch_exists([B]) == 0
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]  # True: really ours now
+    assert s.stats().repaired == 2 and s.batch_exists([A, B]) == 2
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert s.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
+    assert s.batch_set([A], [page(9)]) == [True] and s.stats().skipped == 1  # ours: skipped
+    c.close()
+    for x in (s, other):
+        x.close()
 
 
 # --- the whole stack, with the server going away mid-run -----------------------------------------

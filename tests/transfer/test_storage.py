@@ -1,13 +1,28 @@
-"""One suite, every backend."""
+"""One suite, every backend (memory, file, a real redis-server): batch semantics, key validation
+at the boundary, and the page seal refusing structured corruptions, renamed and foreign pages."""
 
 import errno
+import os
+import random
 
 import pytest
 import torch
 
-from transfer import FileStorage, MemoryStorage, PageSizeMismatch, StorageStats
+from transfer import FileStorage, MemoryStorage, PageSizeMismatch, StorageStats, TransferError
+from transfer.errors import InvalidKey
+from transfer.storage.integrity import PageFormat
 
 NB = 64
+SUFFIX = "_m_0_1"
+FMT = PageFormat.of("page_first", torch.bfloat16, (2, 4, 1, 1, 4))  # 64 bytes
+
+
+def k(name) -> str:
+    """A page hash standing for ``name`` (tests use short names for readability)."""
+    return f"{abs(hash(name)) % 2**200:064x}"[-64:] if not isinstance(name, int) else f"{name:064x}"
+
+
+A, B, C, X = k(1), k(2), k(3), k(99)
 
 
 @pytest.fixture(params=["memory", "file", "redis"])
@@ -17,16 +32,18 @@ def make(request, tmp_path):
 
     def build(**kw):
         if request.param == "memory":
-            s = MemoryStorage("_m_0_1", NB, **kw)
+            s = MemoryStorage(SUFFIX, NB, **kw)
         elif request.param == "file":
-            s = FileStorage(tmp_path / "store", "_m_0_1", NB, **kw)
+            s = FileStorage(tmp_path / "store", SUFFIX, NB, **kw)
         else:
             from transfer.storage.redis import RedisStorage
-            s = RedisStorage(url, "_m_0_1", NB, **kw)
+            s = RedisStorage(url, SUFFIX, NB, **kw)
         built.append(s)
         return s
 
     build.backend = request.param
+    build.dir = tmp_path / "store"
+    build.url = url
     yield build
     for s in built:
         s.close()
@@ -35,7 +52,7 @@ def make(request, tmp_path):
 def fail_writes(s, monkeypatch, calls):
     """Make the backend's next write attempt fail once per attempt, recording attempts in ``calls``."""
     if isinstance(s, (MemoryStorage, FileStorage)):
-        def boom(name, pg, **kw):
+        def boom(name, pg, *a, **kw):
             calls.append(name)
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(s, "_write", boom)
@@ -55,11 +72,11 @@ def page(i):
 
 def test_set_get_exists(make):
     s = make()
-    assert s.batch_set(["a", "b", "c"], [page(1), page(2), page(3)]) == [True] * 3
-    assert s.batch_exists(["a", "b", "x", "c"]) == 2
-    assert s.batch_exists(["x", "a"]) == 0
+    assert s.batch_set([A, B, C], [page(1), page(2), page(3)]) == [True] * 3
+    assert s.batch_exists([A, B, X, C]) == 2
+    assert s.batch_exists([X, A]) == 0
     out = [torch.empty(NB, dtype=torch.uint8) for _ in range(3)]
-    assert s.batch_get(["c", "x", "a"], out) == [True, False, True]
+    assert s.batch_get([C, X, A], out) == [True, False, True]
     assert torch.equal(out[0], page(3)) and torch.equal(out[2], page(1))
     st = s.stats()
     assert isinstance(st, StorageStats)
@@ -68,10 +85,10 @@ def test_set_get_exists(make):
 
 def test_existing_key_skipped(make):
     s = make()
-    s.batch_set(["a"], [page(1)])
-    assert s.batch_set(["a", "b"], [page(9), page(2)]) == [True, True]
+    s.batch_set([A], [page(1)])
+    assert s.batch_set([A, B], [page(9), page(2)]) == [True, True]
     out = torch.empty(NB, dtype=torch.uint8)
-    s.batch_get(["a"], [out])
+    s.batch_get([A], [out])
     assert torch.equal(out, page(1))  # first write wins
     assert s.stats().skipped == 1 and s.stats().stored == 2
 
@@ -79,40 +96,174 @@ def test_existing_key_skipped(make):
 def test_bad_input_changes_nothing(make):
     s = make()
     with pytest.raises(PageSizeMismatch):
-        s.batch_set(["a", "b"], [page(1), torch.zeros(NB + 1, dtype=torch.uint8)])
+        s.batch_set([A, B], [page(1), torch.zeros(NB + 1, dtype=torch.uint8)])
     with pytest.raises(ValueError):
-        s.batch_set(["a"], [page(1), page(2)])
+        s.batch_set([A], [page(1), page(2)])
     with pytest.raises(ValueError):
         s.batch_set([""], [page(1)])
-    assert s.batch_exists(["a"]) == 0 and s.stats().pages == 0
+    assert s.batch_exists([A]) == 0 and s.stats().pages == 0
+
+
+@pytest.mark.parametrize("bad", ["", "a", "../victim/x", "AB" * 32, A[:-1] + "\0", A + "/..", None, 7])
+def test_bad_key_anywhere_in_a_batch_touches_nothing(make, bad):
+    s = make()
+    s.batch_set([C], [page(3)])
+    before = sorted(os.listdir(make.dir)) if make.backend == "file" else None
+    out = [page(7), page(7)]
+    for call in (lambda: s.batch_set([A, bad], [page(1), page(2)]),
+                 lambda: s.batch_get([C, bad], out),
+                 lambda: s.batch_exists([C, bad]),
+                 lambda: s.delete(bad)):
+        with pytest.raises(InvalidKey) as err:
+            call()
+        assert isinstance(err.value, TransferError)
+    assert torch.equal(out[0], page(7))  # C was not read into the buffer
+    assert s.batch_exists([A]) == 0 and s.batch_exists([C]) == 1 and s.stats().pages == 1
+    if before is not None:
+        assert sorted(os.listdir(make.dir)) == before
 
 
 def test_lru_eviction_by_pages(make):
     s = make(capacity_pages=2)
-    s.batch_set(["a", "b"], [page(1), page(2)])
-    s.batch_get(["a"], [torch.empty(NB, dtype=torch.uint8)])  # a is now most recent
-    s.batch_set(["c"], [page(3)])
-    assert s.batch_exists(["a"]) == 1 and s.batch_exists(["b"]) == 0 and s.batch_exists(["c"]) == 1
+    s.batch_set([A, B], [page(1), page(2)])
+    s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)])  # A is now most recent
+    s.batch_set([C], [page(3)])
+    assert s.batch_exists([A]) == 1 and s.batch_exists([B]) == 0 and s.batch_exists([C]) == 1
     assert s.stats().evictions == 1 and s.stats().pages == 2
 
 
 def test_lru_eviction_by_bytes(make):
     s = make(capacity_bytes=3 * NB)
-    s.batch_set([f"k{i}" for i in range(5)], [page(i) for i in range(5)])
-    assert s.batch_exists(["k2", "k3", "k4"]) == 3 and s.batch_exists(["k1"]) == 0
+    ks = [k(10 + i) for i in range(5)]
+    s.batch_set(ks, [page(i) for i in range(5)])
+    assert s.batch_exists(ks[2:]) == 3 and s.batch_exists(ks[1:2]) == 0
     assert s.stats().bytes == 3 * NB
 
 
 def test_delete(make):
     s = make()
-    s.batch_set(["a"], [page(1)])
-    assert s.delete("a") and not s.delete("a")
-    assert s.batch_exists(["a"]) == 0
+    s.batch_set([A], [page(1)])
+    assert s.delete(A) and not s.delete(A)
+    assert s.batch_exists([A]) == 0
 
 
 def test_write_failure_counted(make, monkeypatch):
     s = make()
     calls = []
     fail_writes(s, monkeypatch, calls)
-    assert s.batch_set(["a", "b"], [page(1), page(2)]) == [False, False]
+    assert s.batch_set([A, B], [page(1), page(2)]) == [False, False]
     assert calls and s.stats().errors >= 1 and s.stats().pages == 0
+
+
+# --- integrity, every tier ---------------------------------------------------------------------
+
+def _tamper(make, s, key: str, fn) -> None:
+    """Apply ``fn(bytes) -> bytes`` to the stored page bytes of ``key`` in place (seal unchanged)."""
+    name = key + SUFFIX
+    if make.backend == "memory":
+        data, sealed = s._data[name]
+        s._data[name] = (torch.frombuffer(bytearray(fn(bytes(data.numpy()))), dtype=torch.uint8), sealed)
+    elif make.backend == "file":
+        path = make.dir / f"{name}.bin"
+        with open(path, "r+b") as f:  # rewrite in place: the xattr (seal) stays
+            body = fn(f.read())
+            f.seek(0)
+            f.write(body)
+    else:
+        import redis
+        from transfer.storage.redis import HEADER_NBYTES
+        c = redis.Redis.from_url(make.url)
+        value = c.get(name)
+        c.set(name, value[:HEADER_NBYTES] + fn(value[HEADER_NBYTES:]))
+        c.close()
+
+
+def _rename(make, s, src: str, dst: str) -> None:
+    a, b = src + SUFFIX, dst + SUFFIX
+    if make.backend == "memory":
+        s._data[b] = s._data.pop(a)
+        s._index.add(b, NB)
+    elif make.backend == "file":
+        os.rename(make.dir / f"{a}.bin", make.dir / f"{b}.bin")
+    else:
+        import redis
+        c = redis.Redis.from_url(make.url)
+        c.rename(a, b)
+        c.close()
+
+
+def corruptions(rng: random.Random, body: bytes):
+    """Structured corruptions of a 64-byte page (8 little-endian words)."""
+    n = len(body)
+    words = [int.from_bytes(body[i:i + 8], "little") for i in range(0, n, 8)]
+
+    def pack(ws):
+        return b"".join((w % 2**64).to_bytes(8, "little") for w in ws)
+
+    def flips(k):
+        b = bytearray(body)
+        for bit in rng.sample(range(n * 8), k):
+            b[bit // 8] ^= 1 << (bit % 8)
+        return bytes(b)
+    i, j = rng.sample(range(len(words)), 2)
+    d = rng.randrange(1, 2**40)
+    comp = list(words)
+    comp[i] += d
+    comp[j] -= d
+    swap = list(words)
+    swap[i], swap[j] = words[j], words[i]
+    signs = bytearray(body)
+    signs[i * 8 + 7] ^= 0x80
+    signs[j * 8 + 7] ^= 0x80
+    zero = bytearray(body)
+    start = rng.randrange(0, n - 16)
+    zero[start:start + 16] = bytes(16)
+    return {"flips2": flips(2), "flips5": flips(5), "two_sign_bits": bytes(signs), "compensating": pack(comp),
+            "swapped": pack(swap), "zeroed": bytes(zero)}
+
+
+def test_structured_corruptions_are_misses_in_every_tier(make):
+    s = make(page_format=FMT)
+    rng = random.Random(make.backend)
+    for trial in range(6):
+        g = torch.Generator().manual_seed(trial)
+        pg = torch.randint(0, 256, (NB,), dtype=torch.uint8, generator=g)
+        body = bytes(pg.numpy())
+        for what, bad in corruptions(rng, body).items():
+            if bad == body:
+                continue
+            key = k(1000 + trial * 10 + len(what))
+            assert s.batch_set([key], [pg]) == [True]
+            _tamper(make, s, key, lambda _b, bad=bad: bad)
+            out = page(7)
+            assert s.batch_get([key], [out]) == [False], (make.backend, trial, what)
+            assert bytes(out.numpy()) != bad and not torch.equal(out, pg)  # nothing of it served
+            assert s.batch_exists([key]) == 0 or make.backend == "redis"  # file/memory: deleted
+    assert s.stats().corrupt >= 30 and s.stats().hits == 0
+
+
+def test_renamed_page_is_a_miss_in_every_tier(make):
+    s = make(page_format=FMT)
+    s.batch_set([A], [page(1)])
+    _rename(make, s, A, B)
+    out = page(7)
+    assert s.batch_get([B], [out]) == [False] and s.stats().foreign == 1
+    assert not torch.equal(out, page(1))
+
+
+def test_same_size_page_of_another_format_is_a_miss_in_every_tier(make, tmp_path):
+    fp16 = PageFormat.of("page_first", torch.float16, FMT.shape)
+    layer_first = PageFormat.of("layer_first", torch.bfloat16, FMT.shape)
+    for i, other in enumerate((fp16, layer_first)):
+        writer = make(page_format=other)
+        reader = make(page_format=FMT)
+        key = k(200 + i)
+        assert writer.batch_set([key], [page(5)]) == [True]
+        if make.backend == "memory":  # private dicts: hand the writer's sealed page to the reader
+            reader._data.update(writer._data)
+            reader._index.add(key + SUFFIX, NB)
+        assert reader.batch_get([key], [page(0)]) == [False] and reader.stats().foreign == 1
+        if make.backend != "memory":  # memory stores are private; the others share the pages
+            assert reader.batch_exists([key]) == 0  # the seal is checked without reading the page
+        out = page(0)
+        assert writer.batch_get([key], [out]) == [True] and torch.equal(out, page(5))

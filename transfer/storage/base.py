@@ -1,10 +1,13 @@
 """The storage interface: batch operations on whole KV pages named by page hash.
 
-A backend stores page ``key`` under the name ``{key}{suffix}`` (SGLang HiCacheFile naming; the
-suffix comes from ``hashing.storage_suffix``). ``IndexedStorage`` implements the shared behaviour
-(skip existing keys, LRU eviction under a capacity bound, stats, failure accounting) over three
-primitives a backend provides; it is safe to call from several threads, and holds its lock only
-for index updates, never during I/O.
+A backend stores page ``key`` (a page hash: 64 lowercase hex characters, checked before any page
+of a batch is touched) under the name ``{key}{suffix}`` (SGLang HiCacheFile naming; the suffix
+comes from ``hashing.storage_suffix``). Every page is sealed (``transfer.storage.integrity``): a
+read serves a page only if it is exactly the page asked for — same name, same format (layout,
+dtype, shape), same bytes. ``IndexedStorage`` implements the shared behaviour (skip existing keys
+that are really there, LRU eviction under a capacity bound, sealing and verification, stats,
+failure accounting) over primitives a backend provides; it is safe to call from several threads,
+and holds its lock only for index updates, never during I/O.
 """
 
 from __future__ import annotations
@@ -18,13 +21,25 @@ from transfer.log import get_logger
 import torch
 
 from transfer.errors import PageSizeMismatch
+from transfer.storage.integrity import (
+    PageFormat, Verdict, check_keys, check_suffix, seal, verify,
+)
 from transfer.storage.lru import LruIndex
 
 log = get_logger(__name__)
 
 
 class StorageStats(msgspec.Struct):
-    """Counters of one storage backend since construction (``pages``/``bytes``: current contents)."""
+    """Counters of one storage backend since construction (``pages``/``bytes``: current contents).
+
+    ``corrupt``: pages refused because their seal or digest did not match (changed bytes, a value
+    that is not a page). ``foreign``: pages refused because they are another page or another
+    format (renamed onto this key; another layout, dtype or shape). ``wrong_size``: stored size
+    differs from the page size. ``unverified``: pages read that carry no seal (written by SGLang,
+    copied without xattrs, ``checksum=False``): served in the default mode, refused as misses in
+    strict mode (``require_checksum=True``); the first one per store logs a warning.
+    ``unavailable``: calls refused or failed because the tier was unreachable (circuit breaker).
+    """
 
     pages: int = 0
     bytes: int = 0
@@ -35,28 +50,38 @@ class StorageStats(msgspec.Struct):
     evictions: int = 0
     deletes: int = 0
     errors: int = 0
+    corrupt: int = 0
+    foreign: int = 0
+    wrong_size: int = 0
+    unverified: int = 0
+    unavailable: int = 0
 
 
 class Storage(ABC):
-    """Batch page storage.
+    """Batch page storage of contiguous CPU tensors, named by page hash.
 
-    Pages are contiguous CPU tensors whose raw bytes are stored verbatim (no header).
+    Every entry point validates its whole batch first: a key that is not a page hash raises
+    ``InvalidKey`` (a ``TransferError``) and nothing is read, written or deleted.
+    ``page_format`` (when set) is what the pages are; a stored page of another format is a miss.
     """
 
     suffix: str
     page_nbytes: int | None
+    page_format: PageFormat | None = None
 
     @abstractmethod
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """Store ``pages[i]`` under ``keys[i]``; a key already stored is skipped (and is a success).
 
         Returns:
-            Per key, whether the page is stored afterwards. Pages are independent: a failed page
-            does not stop the others (a backend may write them concurrently); each failure is
-            counted and logged.
+            Per key, whether the page is stored afterwards (True never means "skipped because
+            the index said so": the backend checked the page is there). Pages are independent: a
+            failed page does not stop the others (a backend may write them concurrently); each
+            failure is counted and logged.
         Raises:
-            ValueError: ``len(keys) != len(pages)``. PageSizeMismatch: a page of the wrong size.
-            Both are raised before anything is written.
+            InvalidKey: a key that is not a page hash. ValueError: ``len(keys) != len(pages)``,
+            a page not a contiguous CPU tensor. PageSizeMismatch: a page of the wrong size.
+            All are raised before anything is written.
         """
 
     @abstractmethod
@@ -64,18 +89,20 @@ class Storage(ABC):
         """Read page ``keys[i]`` into the contiguous CPU tensor ``into[i]``.
 
         Returns:
-            Per key, whether it was found and read in full.
+            Per key, whether it was found, read in full and verified. A refused page's bytes are
+            never left in ``into[i]`` (a backend that read them into it zeroes it).
         Raises:
-            ValueError / PageSizeMismatch: as ``batch_set``, before anything is read.
+            InvalidKey / ValueError / PageSizeMismatch: as ``batch_set``, before anything is read.
         """
 
     @abstractmethod
     def batch_exists(self, keys: Sequence[str]) -> int:
-        """The length of the longest prefix of ``keys`` that is stored."""
+        """The length of the longest prefix of ``keys`` that is stored (checked against the
+        backend, not only a local index). Raises InvalidKey before asking anything."""
 
     @abstractmethod
     def delete(self, key: str) -> bool:
-        """Remove ``key``. Returns whether it was stored."""
+        """Remove ``key``. Returns whether a page was removed. Raises InvalidKey."""
 
     @abstractmethod
     def stats(self) -> StorageStats:
@@ -93,18 +120,51 @@ def check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor], page_nbytes:
     """The arguments of a batch call, checked before anything is read or written.
 
     Raises:
-        ValueError: lengths differ, an empty or non-str key, a page not a contiguous CPU tensor.
+        InvalidKey: a key that is not a page hash (64 lowercase hex characters).
+        ValueError: lengths differ, a page not a contiguous CPU tensor.
         PageSizeMismatch: a page of another size than ``page_nbytes`` (when set).
     """
     if len(keys) != len(pages):
         raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-    for key, page in zip(keys, pages):
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"keys must be non-empty str, got {key!r}")
-        if not page.is_contiguous() or page.device.type != "cpu":
+    check_keys(keys)
+    for page in pages:
+        if not isinstance(page, torch.Tensor) or not page.is_contiguous() or page.device.type != "cpu":
             raise ValueError("pages must be contiguous CPU tensors")
         if page_nbytes is not None and _nbytes(page) != page_nbytes:
             raise PageSizeMismatch(f"page of {_nbytes(page)} bytes, expected {page_nbytes}")
+
+
+def check_format(page_format: PageFormat | None, page_nbytes: int | None, itemsize: int | None) -> None:
+    """A declared page format must describe ``page_nbytes`` bytes (when both are given)."""
+    if page_format is None or page_nbytes is None or itemsize is None:
+        return
+    n = itemsize
+    for d in page_format.shape:
+        n *= d
+    if n != page_nbytes:
+        from transfer.errors import StorageConfigError
+
+        raise StorageConfigError(f"page format {page_format} is {n} bytes, page_nbytes is {page_nbytes}")
+
+
+def _itemsize(dtype_name: str) -> int | None:
+    dtype = getattr(torch, dtype_name, None)
+    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
+
+
+class UnverifiedWarning:
+    """Counts a store's unverified reads and logs the first one (once per store, a warning)."""
+
+    def __init__(self, store: str) -> None:
+        self.store, self._warned = store, False
+
+    def note(self, name: str, strict: bool) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("storage.unverified_page", store=self.store, name=name,
+                        served=not strict, hint="pages without a checksum seal (written by SGLang, copied "
+                        "without xattrs, or checksum=False) are served unverified; require_checksum=True "
+                        "refuses them")
 
 
 class IndexedStorage(Storage):
@@ -114,6 +174,13 @@ class IndexedStorage(Storage):
         suffix: appended to every key to form a page's name.
         page_nbytes: required page size in bytes (None: any size).
         capacity_bytes / capacity_pages: LRU eviction bounds (None: unbounded).
+        page_format: what the pages are (None: each page's own dtype and shape, layout ``raw``).
+        checksum: seal pages on write and verify seals on read (False: neither; reads count as
+            unverified).
+        require_checksum: strict mode: a page without a seal is a miss (default: served, counted
+            ``unverified``, warned once per store).
+    Raises:
+        StorageConfigError: a bad suffix, or a format whose size is not ``page_nbytes``.
     """
 
     def __init__(
@@ -122,28 +189,42 @@ class IndexedStorage(Storage):
         page_nbytes: int | None = None,
         capacity_bytes: int | None = None,
         capacity_pages: int | None = None,
+        *,
+        page_format: PageFormat | None = None,
+        checksum: bool = True,
+        require_checksum: bool = False,
     ) -> None:
-        self.suffix, self.page_nbytes = suffix, page_nbytes
+        self.suffix, self.page_nbytes = check_suffix(suffix), page_nbytes
+        if page_format is not None:
+            check_format(page_format, page_nbytes, _itemsize(page_format.dtype))
+        self.page_format, self.checksum, self.require_checksum = page_format, checksum, require_checksum
         self._index = LruIndex(capacity_bytes, capacity_pages)
         self._lock = threading.Lock()
         self._stats = StorageStats()
+        self._unverified_warning = UnverifiedWarning(type(self).__name__)
 
     # -- primitives ---------------------------------------------------------------------------
     @abstractmethod
-    def _write(self, name: str, page: torch.Tensor) -> None:
-        """Store ``page`` under ``name`` atomically. Raises OSError on failure."""
+    def _write(self, name: str, page: torch.Tensor, seal_bytes: bytes | None) -> None:
+        """Store ``page`` and its seal (None: none) under ``name`` atomically. Raises OSError."""
 
     @abstractmethod
-    def _read(self, name: str, into: torch.Tensor) -> bool:
-        """Fill ``into`` from ``name``; False if absent or short. Raises OSError on I/O failure."""
+    def _read(self, name: str, into: torch.Tensor) -> tuple[bool, bytes | None]:
+        """Fill ``into`` from ``name``: (whether it was there with exactly ``into``'s size, its
+        seal or None). Returns (False, None) if absent. Raises OSError on I/O failure."""
 
     @abstractmethod
-    def _remove(self, name: str) -> None:
-        """Delete ``name`` if present."""
+    def _remove(self, name: str) -> bool:
+        """Delete ``name`` if present; whether it was. Raises OSError on failure."""
 
     def _probe(self, name: str) -> int | None:
         """Size of ``name`` if stored by someone else since the index was built (default: None)."""
         return None
+
+    def _adoptable(self, name: str) -> int | None:
+        """Size of unindexed ``name`` if it holds a page this store would serve (default:
+        ``_probe``); None otherwise."""
+        return self._probe(name)
 
     def _present(self, name: str) -> bool:
         """Whether indexed ``name`` is still stored (a backend whose data can vanish behind the
@@ -154,14 +235,21 @@ class IndexedStorage(Storage):
     def _check(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
         check_batch(keys, pages, self.page_nbytes)
 
+    def _format(self, page: torch.Tensor) -> PageFormat:
+        return self.page_format if self.page_format is not None else PageFormat.raw(page)
+
+    def _count(self, field: str, n: int = 1) -> None:
+        with self._lock:
+            setattr(self._stats, field, getattr(self._stats, field) + n)
+
     def _evict(self, names: list[str]) -> None:
         for name in names:
             try:
                 self._remove(name)
             except OSError as err:
                 log.warning("storage.evict_failed", name=name, error=str(err))
-        with self._lock:
-            self._stats.evictions += len(names)
+        if names:
+            self._count("evictions", len(names))
 
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         self._check(keys, pages)
@@ -170,15 +258,19 @@ class IndexedStorage(Storage):
         for i, (key, page) in enumerate(zip(keys, pages)):
             name = key + self.suffix
             with self._lock:
-                if self._index.touch(name):
-                    self._stats.skipped += 1
+                known = self._index.touch(name)
+            if known:
+                if self._present(name):  # True means on disk: the index alone is not trusted
+                    self._count("skipped")
                     results[i] = True
                     continue
-            todo.append((i, name, page))
-        for (i, name, page), err in zip(todo, self._write_many([(n, p) for _, n, p in todo])):
-            if err is not None:
                 with self._lock:
-                    self._stats.errors += 1
+                    self._index.remove(name)
+            todo.append((i, name, page))
+        items = [(n, p, self._seal(n, p)) for _, n, p in todo]
+        for (i, name, page), err in zip(todo, self._write_many(items)):
+            if err is not None:
+                self._count("errors")
                 log.error("storage.write_failed", name=name, errno=err.errno, error=str(err))
                 continue
             with self._lock:
@@ -188,17 +280,40 @@ class IndexedStorage(Storage):
             results[i] = True
         return results
 
-    def _write_many(self, items: list[tuple[str, torch.Tensor]]) -> list[OSError | None]:
-        """Write each ``(name, page)``; per item, the OSError it failed with or None.
+    def _seal(self, name: str, page: torch.Tensor) -> bytes | None:
+        if not self.checksum:
+            return None
+        return seal(name, self._format(page), memoryview(page.reshape(-1).view(torch.uint8).numpy()))
+
+    def _write_many(self, items: list[tuple[str, torch.Tensor, bytes | None]]) -> list[OSError | None]:
+        """Write each ``(name, page, seal)``; per item, the OSError it failed with or None.
         Default: one after the other; a backend may write them concurrently."""
         errors: list[OSError | None] = []
-        for name, page in items:
+        for name, page, sealed in items:
             try:
-                self._write(name, page)
+                self._write(name, page, sealed)
                 errors.append(None)
             except OSError as err:
                 errors.append(err)
         return errors
+
+    def _verify(self, name: str, buf: torch.Tensor, sealed: bytes | None) -> bool:
+        """Whether the page just read into ``buf`` may be served; counts and logs refusals."""
+        if sealed is None or not self.checksum:
+            self._count("unverified")
+            self._unverified_warning.note(name, self.require_checksum)
+            return not self.require_checksum
+        verdict = verify(sealed, name, self._format(buf), memoryview(buf.reshape(-1).view(torch.uint8).numpy()))
+        if verdict is Verdict.OK:
+            return True
+        self._count(verdict.value)
+        log.error("storage.page_refused", name=name, verdict=verdict.value)
+        if verdict is Verdict.CORRUPT:  # a later write can repair it; batch_exists won't re-adopt it
+            try:
+                self._remove(name)
+            except OSError:
+                pass
+        return False
 
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
         self._check(keys, into)
@@ -208,24 +323,31 @@ class IndexedStorage(Storage):
             with self._lock:
                 known = self._index.touch(name)
             ok = False
-            if known:
+            if known or self._probe(name) is not None:
                 try:
-                    ok = self._read(name, buf)
+                    whole, sealed = self._read(name, buf)
+                    ok = whole and self._verify(name, buf, sealed)
                 except OSError as err:
-                    with self._lock:
-                        self._stats.errors += 1
+                    self._count("errors")
                     log.error("storage.read_failed", name=name, errno=err.errno, error=str(err))
+                if not ok:
+                    buf.reshape(-1).view(torch.uint8).zero_()  # never leave a refused page's bytes
             with self._lock:
-                if known and not ok:
-                    self._index.remove(name)
                 if ok:
                     self._stats.hits += 1
+                    if not known:
+                        evicted = self._index.add(name, _nbytes(buf))
                 else:
                     self._stats.misses += 1
+                    if known:
+                        self._index.remove(name)
+            if ok and not known:
+                self._evict(evicted)
             results.append(ok)
         return results
 
     def batch_exists(self, keys: Sequence[str]) -> int:
+        check_keys(keys)
         n = 0
         for key in keys:
             name = key + self.suffix
@@ -238,7 +360,7 @@ class IndexedStorage(Storage):
                 with self._lock:
                     self._index.remove(name)
                 break
-            size = self._probe(name)
+            size = self._adoptable(name)
             if size is None or (self.page_nbytes is not None and size != self.page_nbytes):
                 break
             with self._lock:
@@ -248,14 +370,19 @@ class IndexedStorage(Storage):
         return n
 
     def delete(self, key: str) -> bool:
+        check_keys([key])
         name = key + self.suffix
         with self._lock:
-            present = self._index.remove(name)
-            if present:
-                self._stats.deletes += 1
-        if present:
-            self._remove(name)
-        return present
+            self._index.remove(name)
+        try:
+            removed = self._remove(name)  # also a page another process stored that we never indexed
+        except OSError as err:
+            self._count("errors")
+            log.error("storage.delete_failed", name=name, errno=err.errno, error=str(err))
+            return False
+        if removed:
+            self._count("deletes")
+        return removed
 
     def stats(self) -> StorageStats:
         with self._lock:

@@ -1,18 +1,21 @@
 """Redis / Valkey page storage: one string value per page, shared by every node that can reach it.
 
 Key: ``{key_prefix}{page_hash}{suffix}`` (the file store's naming without ``.bin``; the suffix comes
-from ``hashing.storage_suffix``, so ranks and models never collide). Value: a 72-byte header
-followed by the page's raw bytes (host page-first layout)::
+from ``hashing.storage_suffix``, so ranks and models never collide). Value: the page's 104-byte
+seal (``transfer.storage.integrity``: magic, version, size, XXH3-128 digest over name + format +
+bytes, name fingerprint, layout, dtype, shape) followed by the page's raw bytes. The value is
+built in one preallocated buffer per page (one copy from the tensor) and handed to the socket
+without further copies.
 
-    magic b"KVLP" | version u8 | ndim u8 | 2 pad | nbytes u64 | crc32 u32 | 4 pad |
-    dtype name (16 bytes, ASCII, NUL padded) | shape (8 x u32)       -- little endian
-
-A page and its header are one value written by one ``SET ... NX`` (atomic on the server), so a
-reader sees either no page or the whole page with its header; it never sees one without the
-other nor half a page. ``NX`` gives the other backends' skip-existing semantics across every
-node: the first write wins. Reads verify magic, version, size, checksum (and the configured
-dtype/shape); a page that does not verify is a miss, counted (``corrupt`` / ``mismatched``) and
-logged, and a corrupt value is deleted so a later write can repair it. Never returned.
+A page and its seal are one value written by one ``SET ... NX`` (atomic on the server), so a
+reader sees either no page or the whole page with its seal. ``NX`` gives the other backends'
+skip-existing semantics across every node: the first write wins — but a skipped key is checked
+(its seal, one ``GETRANGE``): a value that is not exactly our page (another format, another name,
+not a page) is overwritten (counted ``repaired``), so ``True`` from ``batch_set`` always means
+our page is on the server. Reads verify the seal; a page that does not verify is a miss, counted
+(``corrupt`` / ``foreign`` / ``wrong_size``) and logged, and a corrupt value is deleted so a
+later write can repair it. ``batch_exists`` counts a key only if its seal matches (name, format,
+size) and the value has the sealed length.
 
 Batches are pipelined (one round trip per ``pipeline_bytes`` of pages). ``ttl_s`` sets an expiry
 on every page, refreshed when it is read (``GETEX``). ``capacity_bytes`` / ``capacity_pages``
@@ -21,86 +24,106 @@ a server shared by many nodes prefer the server's own ``maxmemory`` + ``allkeys-
 ``ttl_s``. ``stats().pages`` / ``bytes`` count that client-side index, not the whole server.
 
 Failures. The server being unreachable (refused, reset, timed out) raises ``StorageUnavailable``
-from every operation, after one immediate reconnect attempt; short socket timeouts bound the
-wait, there is no retry loop. A page-level refusal (e.g. ``OOM`` under ``maxmemory``) makes that
-page and the rest of the batch ``False``. Both are counted in ``stats().errors`` and logged. After
-the server comes back, the next operation reconnects (redis-py's pool) and succeeds.
+and reports a failure to the store's ``CircuitBreaker`` (``transfer/storage/breaker.py``); while
+the breaker is open every operation raises ``StorageUnavailable`` at once without touching the
+network (counted ``unavailable``), and after the backoff the next operation probes the server.
+Short socket timeouts bound the wait of the first failing call; there is no retry loop. A
+page-level refusal (e.g. ``OOM`` under ``maxmemory``) makes that page and the rest of the batch
+``False``; ``delete`` refused by the server (a read-only replica) returns False. All are counted in
+``stats().errors`` and logged.
 """
 
 from __future__ import annotations
 
-import struct
+import re
 import threading
-import zlib
 from collections.abc import Sequence
+from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 import numpy as np
 import redis
-from transfer.log import get_logger
 import torch
 from redis.backoff import NoBackoff
+from redis.connection import Encoder, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from transfer.errors import StorageUnavailable
+from transfer.errors import StorageConfigError, StorageUnavailable
+from transfer.log import get_logger
 from transfer.storage.base import Storage, StorageStats, check_batch
+from transfer.storage.breaker import CircuitBreaker
+from transfer.storage.integrity import (
+    SEAL_NBYTES, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, seal, verify,
+)
 from transfer.storage.lru import LruIndex
 
 log = get_logger(__name__)
 
-MAGIC = b"KVLP"
-VERSION = 1
-_HEADER = struct.Struct("<4sBB2xQI4x16s8I")
-HEADER_NBYTES = _HEADER.size  # 72
-_MAX_DIMS = 8
+HEADER_NBYTES = SEAL_NBYTES  # the seal in front of every value (104 bytes)
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+_DB = re.compile(r"\d+\Z")
 
 
 class RedisStorageStats(StorageStats):
-    """``StorageStats`` plus pages refused on read: bad header/checksum, or another dtype/shape."""
+    """``StorageStats`` plus ``repaired``: skipped keys whose value was not our page, overwritten."""
 
-    corrupt: int = 0
-    mismatched: int = 0
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def encode_header(nbytes: int, crc: int, dtype: torch.dtype, shape: Sequence[int]) -> bytes:
-    """The header of a page of ``nbytes`` raw bytes with checksum ``crc`` (crc32)."""
-    if len(shape) > _MAX_DIMS:
-        raise ValueError(f"page shape {tuple(shape)} has more than {_MAX_DIMS} dims")
-    dims = list(shape) + [0] * (_MAX_DIMS - len(shape))
-    return _HEADER.pack(MAGIC, VERSION, len(shape), nbytes, crc, _dtype_name(dtype).encode("ascii"), *dims)
-
-
-def decode_header(value: bytes) -> tuple[int, int, str, tuple[int, ...]] | None:
-    """``(nbytes, crc, dtype name, shape)`` of a stored value, or None when it is not a page."""
-    if len(value) < HEADER_NBYTES:
-        return None
-    magic, version, ndim, nbytes, crc, dtype, *dims = _HEADER.unpack_from(value)
-    if magic != MAGIC or version != VERSION or ndim > _MAX_DIMS:
-        return None
-    return nbytes, crc, dtype.rstrip(b"\0").decode("ascii", "replace"), tuple(dims[:ndim])
+    repaired: int = 0
 
 
 def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
+    """``url`` without its password (for messages and logs)."""
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
         return f"{scheme}://***@{rest.split('@', 1)[1]}"
     return url
 
 
+def check_url(url: str) -> None:
+    """Refuse what redis-py would silently misread.
+
+    Raises:
+        StorageConfigError: not ``redis://``, ``rediss://`` or ``unix://``; a non-numeric or
+            out-of-range port; a database that is not a non-negative integer (``/abc``, ``?db=x``).
+    """
+    if not isinstance(url, str):
+        raise StorageConfigError(f"redis URL must be a str, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise StorageConfigError(f"bad redis URL {redact(url)!r}: {err}") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise StorageConfigError(f"bad redis URL {redact(url)!r}: scheme must be redis://, rediss:// or unix://")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise StorageConfigError(f"bad redis URL {redact(url)!r}: no host")
+    if port is not None and not 0 < port < 65536:
+        raise StorageConfigError(f"bad redis URL {redact(url)!r}: port {port}")
+    dbs = parse_qs(parts.query).get("db", [])
+    path = parts.path.strip("/") if parts.scheme != "unix" else ""
+    for db in dbs + ([path] if path else []):
+        if not _DB.match(db):
+            raise StorageConfigError(f"bad redis URL {redact(url)!r}: database {db!r} is not a number")
+
+
+def _client_from_url(url: str, connect_timeout_s: float, socket_timeout_s: float) -> redis.Redis:
+    # The pure-Python command packer hands large values (memoryviews) to the socket as they are;
+    # hiredis's packer would copy every page twice. Replies are still parsed by hiredis (C).
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    return redis.Redis.from_url(
+        url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
+        retry=Retry(NoBackoff(), 1), retry_on_error=[], health_check_interval=0, command_packer=packer)
+
+
 class RedisStorage(Storage):
-    """Pages in a Redis or Valkey server (redis-py client, ``redis://`` / ``rediss://`` / ``unix://``).
+    """Pages in a Redis or Valkey server (redis-py client with hiredis, ``redis://`` / ``rediss://``
+    / ``unix://``).
 
     Args:
         url: e.g. ``redis://127.0.0.1:6379/0``.
@@ -108,15 +131,17 @@ class RedisStorage(Storage):
         page_nbytes: required page size in bytes (None: any).
         ttl_s: expire pages this many seconds after they were written or last read (None: never).
         capacity_bytes / capacity_pages: client-side LRU bounds (None: unbounded); see module doc.
-        page_dtype / page_shape: what a page holds, recorded in the header and checked on read
-            (a page written with another dtype/shape is a miss). None: record the given tensor's.
+        page_format: what a page holds, sealed with it and checked on read (a page of another
+            layout/dtype/shape is a miss). None: each page's own dtype and shape, layout ``raw``.
         key_prefix: prepended to every key (default none).
         connect_timeout_s / socket_timeout_s: bounds on connecting and on one reply.
         pipeline_bytes: page bytes sent (or asked for) per round trip.
         check: PING the server now, raising ``StorageUnavailable`` when it does not answer.
+        breaker: the circuit breaker guarding the server (None: a new one, 0.5 s first backoff).
         client: a ready ``redis.Redis`` (tests); ``url`` is then only used in messages.
     Raises:
-        StorageUnavailable: ``check`` and the server is unreachable. ValueError: a bad URL or size.
+        StorageConfigError (a ValueError): a bad URL, suffix, ttl, format or pipeline size.
+        StorageUnavailable: ``check`` and the server is unreachable.
     """
 
     def __init__(
@@ -128,39 +153,32 @@ class RedisStorage(Storage):
         *,
         capacity_bytes: int | None = None,
         capacity_pages: int | None = None,
-        page_dtype: torch.dtype | None = None,
-        page_shape: Sequence[int] | None = None,
+        page_format: PageFormat | None = None,
         key_prefix: str = "",
         connect_timeout_s: float = 0.5,
         socket_timeout_s: float = 5.0,
-        pipeline_bytes: int = 32 << 20,
+        pipeline_bytes: int = 8 << 20,
         check: bool = True,
+        breaker: CircuitBreaker | None = None,
         client: redis.Redis | None = None,
     ) -> None:
         if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s!r}")
+            raise StorageConfigError(f"ttl_s must be > 0 or None, got {ttl_s!r}")
         if pipeline_bytes < 1:
-            raise ValueError(f"pipeline_bytes must be >= 1, got {pipeline_bytes}")
-        if page_shape is not None and len(page_shape) > _MAX_DIMS:
-            raise ValueError(f"page_shape {tuple(page_shape)} has more than {_MAX_DIMS} dims")
-        self.suffix, self.page_nbytes, self.key_prefix = suffix, page_nbytes, key_prefix
-        self.url = _redact(url)
+            raise StorageConfigError(f"pipeline_bytes must be >= 1, got {pipeline_bytes}")
+        if client is None:
+            check_url(url)
+        self.suffix, self.page_nbytes, self.key_prefix = check_suffix(suffix), page_nbytes, key_prefix
+        self.url = redact(url)
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self.page_dtype = page_dtype
-        self.page_shape = None if page_shape is None else tuple(int(d) for d in page_shape)
+        self.page_format = page_format
         self.pipeline_bytes = pipeline_bytes
+        self.breaker = breaker if breaker is not None else CircuitBreaker(self.url)
         if client is None:
             try:
-                client = redis.Redis.from_url(
-                    url,
-                    socket_connect_timeout=connect_timeout_s,
-                    socket_timeout=socket_timeout_s,
-                    retry=Retry(NoBackoff(), 1),
-                    retry_on_error=[],
-                    health_check_interval=0,
-                )
+                client = _client_from_url(url, connect_timeout_s, socket_timeout_s)
             except ValueError as err:
-                raise ValueError(f"bad redis URL {self.url!r}: {err}") from None
+                raise StorageConfigError(f"bad redis URL {self.url!r}: {err}") from None
         self._client = client
         self._index = LruIndex(capacity_bytes, capacity_pages)
         self._lock = threading.Lock()
@@ -170,13 +188,14 @@ class RedisStorage(Storage):
 
     # -- plumbing -----------------------------------------------------------------------------
     def ping(self) -> None:
-        """Raise ``StorageUnavailable`` unless the server answers PING."""
+        """Raise ``StorageUnavailable`` unless the server answers PING (ignores the breaker)."""
         try:
             self._client.ping()
         except _UNREACHABLE as err:
             raise StorageUnavailable(f"redis storage at {self.url} is unreachable: {_reason(err)}") from err
         except RedisError as err:
             raise StorageUnavailable(f"redis storage at {self.url} refused PING: {err}") from err
+        self.breaker.success()
 
     def _name(self, key: str) -> str:
         return self.key_prefix + key + self.suffix
@@ -186,26 +205,32 @@ class RedisStorage(Storage):
         return pipe.execute(raise_on_error=False)
 
     def _run(self, build, what: str) -> list:
-        """Build and run one pipeline; connection failures raise ``StorageUnavailable``."""
+        """Build and run one pipeline behind the breaker; unreachable raises ``StorageUnavailable``."""
+        if not self.breaker.allow():
+            self._count("unavailable")
+            raise StorageUnavailable(f"redis storage at {self.url} is unavailable ({what}): circuit open, "
+                                     f"next probe in {self.breaker.retry_in():.1f}s")
         pipe = self._client.pipeline(transaction=False)
         build(pipe)
         try:
             replies = self._execute(pipe)
+            bad = next((r for r in replies if isinstance(r, _UNREACHABLE)), None)
+            if bad is not None:
+                raise bad
         except _UNREACHABLE as err:
-            self._count_error()
-            log.error("redis_storage.unavailable", op=what, url=self.url, error=_reason(err))
+            self._count("errors")
+            self._count("unavailable")
+            self.breaker.failure(err)
+            log.warning("redis_storage.unavailable", op=what, url=self.url, error=_reason(err))
             raise StorageUnavailable(f"redis storage at {self.url} is unreachable ({what}): {_reason(err)}") from err
         finally:
             pipe.reset()
-        for reply in replies:
-            if isinstance(reply, _UNREACHABLE):
-                self._count_error()
-                raise StorageUnavailable(f"redis storage at {self.url} failed ({what}): {_reason(reply)}") from reply
+        self.breaker.success()
         return replies
 
-    def _count_error(self) -> None:
+    def _count(self, field: str, n: int = 1) -> None:
         with self._lock:
-            self._stats.errors += 1
+            setattr(self._stats, field, getattr(self._stats, field) + n)
 
     def _batches(self, n: int, sizes: Sequence[int]):
         """Split ``range(n)`` into runs of at most ``pipeline_bytes`` page bytes (>= 1 page)."""
@@ -225,8 +250,19 @@ class RedisStorage(Storage):
             self._run(lambda p: p.delete(*names), "evict")
         except StorageUnavailable as err:
             log.warning("redis_storage.evict_failed", names=len(names), error=str(err))
-        with self._lock:
-            self._stats.evictions += len(names)
+        self._count("evictions", len(names))
+
+    def _format(self, page: torch.Tensor) -> PageFormat:
+        return self.page_format if self.page_format is not None else PageFormat.raw(page)
+
+    def _value(self, name: str, page: torch.Tensor) -> memoryview:
+        """Seal + page bytes in one new buffer: one copy of the page."""
+        raw = _raw(page)
+        buf = bytearray(SEAL_NBYTES + raw.nbytes)
+        view = memoryview(buf)
+        view[SEAL_NBYTES:] = raw
+        view[:SEAL_NBYTES] = seal(name, self._format(page), raw)
+        return view
 
     # -- Storage ------------------------------------------------------------------------------
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
@@ -237,38 +273,68 @@ class RedisStorage(Storage):
         results = [False] * n
         sizes = [p.numel() * p.element_size() for p in pages]
         for run in self._batches(n, sizes):
-            names, values = [], []
-            for i in run:
-                page = pages[i]
-                raw = _raw(page)
-                dtype = self.page_dtype if self.page_dtype is not None else page.dtype
-                shape = self.page_shape if self.page_shape is not None else tuple(page.shape)
-                names.append(self._name(keys[i]))
-                values.append(encode_header(sizes[i], zlib.crc32(raw), dtype, shape) + raw)
+            names = [self._name(keys[i]) for i in run]
+            values = [self._value(keys[i] + self.suffix, pages[i]) for i in run]
 
             def build(pipe, names=names, values=values):
                 for name, value in zip(names, values):
                     pipe.set(name, value, nx=True, px=self.ttl_ms)
 
             replies = self._run(build, "set")
-            failed = False
-            for i, name, reply in zip(run, names, replies):
-                if isinstance(reply, Exception):
-                    self._count_error()
-                    log.error("redis_storage.write_failed", name=name, error=str(reply))
-                    failed = True
-                    break
-                with self._lock:
-                    if reply:
-                        self._stats.stored += 1
-                    else:
-                        self._stats.skipped += 1
-                    evicted = self._index.add(name, sizes[i])
-                self._evict(evicted)
-                results[i] = True
-            if failed:
+            skipped = [j for j, r in enumerate(replies) if r is None]
+            if skipped:  # NX kept an older value: is it our page? if not, overwrite it
+                self._repair([names[j] for j in skipped], [values[j] for j in skipped],
+                             [pages[run[j]] for j in skipped], replies, skipped)
+            if not self._settle(run, names, sizes, replies, results):
                 break
         return results
+
+    def _repair(self, names, values, pages, replies, where) -> None:
+        """Overwrite skipped keys whose value is not exactly our page (``replies`` updated)."""
+        heads = self._run(lambda p: [(p.getrange(x, 0, SEAL_NBYTES - 1), p.strlen(x)) for x in names],
+                          "check existing")
+        bad = []
+        for k, (name, page) in enumerate(zip(names, pages)):
+            head, length = heads[2 * k], heads[2 * k + 1]
+            if self._seal_ok(name[len(self.key_prefix):], head, length, self._format(page),
+                             len(values[k]) - SEAL_NBYTES):
+                replies[where[k]] = "skipped"
+            else:
+                bad.append(k)
+        if not bad:
+            return
+        fixed = self._run(lambda p: [p.set(names[k], values[k], px=self.ttl_ms) for k in bad], "repair")
+        for k, reply in zip(bad, fixed):
+            replies[where[k]] = reply if isinstance(reply, Exception) else "repaired"
+            if not isinstance(reply, Exception):
+                log.warning("redis_storage.repaired", name=names[k])
+
+    def _seal_ok(self, name: str, head, length, fmt: PageFormat | None, nbytes: int | None) -> bool:
+        if isinstance(head, Exception) or isinstance(length, Exception) or not head:
+            return False
+        sealed = decode_seal(head)
+        if sealed is None or length != SEAL_NBYTES + sealed.nbytes:
+            return False
+        fmt = fmt if fmt is not None else sealed.format
+        return check_seal(sealed, name, fmt, nbytes if nbytes is not None else sealed.nbytes) is Verdict.OK
+
+    def _settle(self, run, names, sizes, replies, results) -> bool:
+        """Record a round trip's outcome; False when a page was refused (the batch stops)."""
+        for i, name, reply in zip(run, names, replies):
+            if isinstance(reply, Exception):
+                self._count("errors")
+                log.error("redis_storage.write_failed", name=name, error=str(reply))
+                return False
+            with self._lock:
+                if reply == "skipped":
+                    self._stats.skipped += 1
+                else:
+                    self._stats.stored += 1
+                    self._stats.repaired += reply == "repaired"
+                evicted = self._index.add(name, sizes[i])
+            self._evict(evicted)
+            results[i] = True
+        return True
 
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_get``. A page failing its checks is a miss. Raises
@@ -292,7 +358,7 @@ class RedisStorage(Storage):
             for i, name, value in zip(run, names, replies):
                 ok = False
                 if isinstance(value, Exception):
-                    self._count_error()
+                    self._count("errors")
                     log.error("redis_storage.read_failed", name=name, error=str(value))
                 elif value is not None:
                     ok = self._verify_into(name, value, into[i], corrupt)
@@ -312,54 +378,55 @@ class RedisStorage(Storage):
         return results
 
     def _verify_into(self, name: str, value: bytes, into: torch.Tensor, corrupt: list[str]) -> bool:
+        body = memoryview(value)[SEAL_NBYTES:]
         dst = into.reshape(-1).view(torch.uint8)
-        header = decode_header(value)
-        body = memoryview(value)[HEADER_NBYTES:]
-        if header is None or header[0] != len(body) or zlib.crc32(body) != header[1]:
-            with self._lock:
-                self._stats.corrupt += 1
-            corrupt.append(name)
-            log.error("redis_storage.corrupt_page", name=name, size=len(value))
-            return False
-        nbytes, _, dtype, shape = header
-        want_dtype = _dtype_name(self.page_dtype) if self.page_dtype is not None else None
-        if nbytes != dst.numel() or (want_dtype is not None and dtype != want_dtype) or (
-            self.page_shape is not None and shape != self.page_shape
-        ):
-            with self._lock:
-                self._stats.mismatched += 1
-            log.warning("redis_storage.page_mismatch", name=name, nbytes=nbytes, dtype=dtype, shape=shape)
+        sealed = decode_seal(value)
+        if sealed is None or sealed.nbytes != len(body):  # not a page, or a torn/truncated one
+            verdict = Verdict.CORRUPT
+        elif sealed.nbytes != dst.numel():
+            verdict = Verdict.WRONG_SIZE
+        else:
+            verdict = verify(value[:SEAL_NBYTES], name[len(self.key_prefix):], self._format(into), body)
+        if verdict is not Verdict.OK:
+            self._count(verdict.value)
+            if verdict is Verdict.CORRUPT:
+                corrupt.append(name)
+            log.error("redis_storage.page_refused", name=name, verdict=verdict.value, size=len(value))
             return False
         dst.numpy()[:] = np.frombuffer(body, dtype=np.uint8)  # one copy, into the caller's buffer
         return True
 
     def batch_exists(self, keys: Sequence[str]) -> int:
-        """See ``Storage.batch_exists``: asks the server (pages other nodes wrote count). Raises
+        """See ``Storage.batch_exists``: asks the server (pages other nodes wrote count), and
+        counts a key only when its seal matches our name, format and size. Raises
         ``StorageUnavailable`` when the server is unreachable."""
+        check_keys(keys)
         names = [self._name(k) for k in keys]
-        if not names:
-            return 0
-        want = None if self.page_nbytes is None else HEADER_NBYTES + self.page_nbytes
-        n = 0
-        step = 4096
+        n, step = 0, 1024
         for start in range(0, len(names), step):
             chunk = names[start:start + step]
-            lengths = self._run(lambda p, chunk=chunk: [p.strlen(x) for x in chunk], "exists")
-            for name, length in zip(chunk, lengths):
-                if isinstance(length, Exception) or not (
-                    length == want if want is not None else length > HEADER_NBYTES
-                ):
+            replies = self._run(
+                lambda p, chunk=chunk: [(p.getrange(x, 0, SEAL_NBYTES - 1), p.strlen(x)) for x in chunk], "exists")
+            for k, name in enumerate(chunk):
+                head, length = replies[2 * k], replies[2 * k + 1]
+                if not self._seal_ok(name[len(self.key_prefix):], head, length, self.page_format, self.page_nbytes):
                     return n
                 with self._lock:
-                    evicted = [] if self._index.touch(name) else self._index.add(name, length - HEADER_NBYTES)
+                    evicted = [] if self._index.touch(name) else self._index.add(name, length - SEAL_NBYTES)
                 self._evict(evicted)
                 n += 1
         return n
 
     def delete(self, key: str) -> bool:
-        """See ``Storage.delete``: whether the server held it. Raises ``StorageUnavailable``."""
+        """See ``Storage.delete``: whether the server removed it (False when it refused, e.g. a
+        read-only replica: counted in ``errors`` and logged). Raises ``StorageUnavailable``."""
+        check_keys([key])
         name = self._name(key)
         (count,) = self._run(lambda p: p.delete(name), "delete")
+        if isinstance(count, Exception):
+            self._count("errors")
+            log.error("redis_storage.delete_failed", name=name, error=str(count))
+            return False
         with self._lock:
             self._index.remove(name)
             if count:

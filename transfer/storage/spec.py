@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-
-import torch
-
 from transfer.storage.base import Storage
+from transfer.storage.integrity import PageFormat
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 
@@ -24,39 +21,51 @@ def open_storage(
     *,
     capacity_bytes: int | None = None,
     ttl_s: float | None = None,
-    page_dtype: torch.dtype | None = None,
-    page_shape: Sequence[int] | None = None,
+    page_format: PageFormat | None = None,
+    require_checksum: bool = False,
     connect_timeout_s: float = 0.5,
 ) -> Storage:
     """The backend ``spec`` names.
 
     Args:
         spec: ``"memory"``, ``"file:DIR"`` (``~`` expanded), or a server URL ``redis://host:port/db``
-            (also ``rediss://``, ``unix://path?db=N``; ``valkey://`` is an alias of ``redis://``).
+            (also ``rediss://``, ``unix://path?db=N``; ``valkey://`` is an alias of ``redis://``),
+            or ``mooncake://HOST:PORT?options`` (a Mooncake master; see ``mooncake_conn``).
         suffix, page_nbytes: the deployment suffix and page size (see ``Storage``).
         capacity_bytes: LRU bound (None: unbounded).
         ttl_s: page expiry for a server backend (ignored by the others).
-        page_dtype, page_shape: recorded with each page by a server backend and checked on read.
+        page_format: what the pages are (layout, dtype, shape), sealed with every page and checked
+            on read by every backend (None: each page's own dtype and shape, layout ``raw``).
+        require_checksum: strict mode (memory and file): a page without a seal is a miss.
         connect_timeout_s: how long to wait for a server to accept the connection.
     Raises:
-        ValueError: an unknown spec.
+        ValueError: an unknown spec. StorageConfigError (a ValueError): a bad URL (e.g. a
+            non-numeric database), suffix or format.
         StorageUnavailable: the directory is not writable, or the server does not answer (a
             one-line message naming the URL and the reason).
     """
     if spec == "memory":
         from transfer.storage.memory import MemoryStorage
 
-        return MemoryStorage(suffix, page_nbytes, capacity_bytes)
+        return MemoryStorage(suffix, page_nbytes, capacity_bytes, page_format=page_format,
+                             require_checksum=require_checksum)
     if isinstance(spec, str) and spec.startswith("file:") and len(spec) > 5:
         from transfer.storage.file import FileStorage
 
-        return FileStorage(os.path.expanduser(spec[5:]), suffix, page_nbytes, capacity_bytes)
+        return FileStorage(os.path.expanduser(spec[5:]), suffix, page_nbytes, capacity_bytes,
+                           require_checksum=require_checksum, page_format=page_format)
     if is_redis_spec(spec):
         from transfer.storage.redis import RedisStorage
 
         url = "redis://" + spec[len("valkey://"):] if spec.startswith("valkey://") else spec
         url = "rediss://" + spec[len("valkeys://"):] if spec.startswith("valkeys://") else url
         return RedisStorage(url, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
-                            page_dtype=page_dtype, page_shape=page_shape,
-                            connect_timeout_s=connect_timeout_s)
-    raise ValueError(f"storage must be 'memory', 'file:DIR', 'redis://HOST:PORT/DB' or a Storage, got {spec!r}")
+                            page_format=page_format, connect_timeout_s=connect_timeout_s)
+    if isinstance(spec, str) and spec.startswith("mooncake://"):
+        from transfer.storage.mooncake import MooncakeStorage
+        from transfer.storage.mooncake_conn import parse_spec
+
+        return MooncakeStorage(parse_spec(spec), suffix, page_nbytes, page_format=page_format,
+                               require_checksum=require_checksum)
+    raise ValueError(f"storage must be 'memory', 'file:DIR', 'redis://HOST:PORT/DB', "
+                     f"'mooncake://HOST:PORT' or a Storage, got {spec!r}")
