@@ -66,7 +66,7 @@ class DecodeKVCacheOffloadManager:
         sink = SGLangReleaseSink(tree_cache, req_to_token_pool)
         host = HostPool(device.layers, device.heads, device.head_dim, device.dtype, config.page_size,
                         _host_tokens(config, kv_cache, device), mla=device.mla)
-        storage = open_storage(config, host.page_nbytes, tp_rank, tp_size, device.mla)
+        storage = open_storage(config, host, tp_rank, tp_size, device.mla)
         offloader = None
         try:
             offloader = HostOffloader(device, host, storage, copy_engine=make_layered_copy_engine(device))

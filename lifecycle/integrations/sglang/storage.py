@@ -17,6 +17,8 @@ import torch
 
 import hashing
 from transfer.errors import StorageUnavailable
+from transfer.host_pool import HostPool
+from transfer.stack import page_format
 from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.file import FileStorage
 
@@ -67,8 +69,9 @@ class ReplicaStorage(Storage):
         self.reader.close()
 
 
-def open_storage(config: OffloadConfig, page_nbytes: int, tp_rank: int, tp_size: int, mla: bool) -> Storage:
-    """The configured store for this rank.
+def open_storage(config: OffloadConfig, host: HostPool, tp_rank: int, tp_size: int, mla: bool) -> Storage:
+    """The configured store for this rank, for pages of ``host`` (sealed as page-first pages of
+    its dtype and shape, as ``transfer.build_stack`` seals them).
 
     Raises:
         SGLangConfigError: an unsupported backend, or a directory that cannot be written.
@@ -82,8 +85,9 @@ def open_storage(config: OffloadConfig, page_nbytes: int, tp_rank: int, tp_size:
         raise SGLangConfigError(f"storage key suffix: {err}") from None
     owner = not mla or tp_rank == 0
     try:
-        store = FileStorage(config.storage_dir, suffix, page_nbytes,
-                            capacity_bytes=config.capacity_bytes if owner else None)
+        store = FileStorage(config.storage_dir, suffix, host.page_nbytes,
+                            capacity_bytes=config.capacity_bytes if owner else None,
+                            page_format=page_format(host))
     except StorageUnavailable as err:
         raise SGLangConfigError(
             f"file backend directory {config.storage_dir!r} is not writable "
