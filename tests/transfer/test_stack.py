@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -29,3 +31,22 @@ def test_bad_storage_spec(tmp_path):
     f.write_bytes(b"")
     with pytest.raises(StorageUnavailable):
         build_stack(1, 1, 4, torch.float16, 4, 16, 16, 1, 16, storage=f"file:{f}/x")
+
+
+def test_stack_seals_pages_with_the_page_first_host_layout(tmp_path):
+    from transfer.storage.file import XATTR
+    from transfer.storage.integrity import decode_seal
+
+    s = build_stack(2, 2, 8, torch.bfloat16, 4, 16, 16, 1, 16, storage=f"file:{tmp_path}",
+                    model_name="org/m", tp_rank=1, tp_size=2, attn_cp_rank=1, attn_cp_size=2)
+    assert s.storage.suffix == "_org-m_1_2_cp1_2"
+    fmt = s.storage.page_format
+    assert (fmt.layout, fmt.dtype, fmt.shape) == ("page_first", "bfloat16", (2, 4, 2, 2, 8))
+    key = "ab" * 32
+    assert s.storage.batch_set([key], [s.host_pool.page_bytes(0)]) == [True]
+    sealed = decode_seal(os.getxattr(tmp_path / f"{key}{s.storage.suffix}.bin", XATTR))
+    assert sealed.format == fmt
+    s.close()
+    mla = build_stack(2, 1, 32, torch.float16, 4, 16, 16, 1, 16, mla=True)
+    assert mla.storage.page_format.shape == (4, 2, 1, 32)  # SGLang's MLA page_first page
+    mla.close()
