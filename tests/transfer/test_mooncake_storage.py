@@ -1,0 +1,263 @@
+"""The Mooncake tier against a real ``mooncake_master``: SGLang's object names and bytes both ways,
+the seal (corrupt, renamed, foreign-format and wrong-size objects are misses), specs and bad input.
+
+A second, raw ``MooncakeDistributedStore`` client plays SGLang's part: it reads and writes objects
+exactly as ``sglang/srt/mem_cache/storage/mooncake_store/mooncake_store.py`` (0.5.19) does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from lifecycle_tools.testkit.mooncake_server import (  # noqa: F401 (fixtures)
+    free_port, mooncake_master, mooncake_session_master, require_mooncake,
+)
+from transfer import open_storage
+from transfer.errors import InvalidKey, PageSizeMismatch, StorageConfigError, StorageUnavailable
+from transfer.storage.integrity import PageFormat
+from transfer.storage.mooncake import MooncakeStorage
+from transfer.storage.mooncake_conn import EXTRA_HINT, import_store, parse_size, parse_spec
+from transfer.storage.mooncake_keys import MooncakeNaming, naming_from_suffix
+
+PS, LAYERS, HEADS, DIM = 4, 2, 2, 8
+MHA = PageFormat.of("page_first", torch.bfloat16, (2, PS, LAYERS, HEADS, DIM))
+NB = 2 * PS * LAYERS * HEADS * DIM * 2  # bytes of one MHA bf16 page
+_counter = itertools.count()
+
+
+def fresh_hashes(n: int) -> list[str]:
+    """Page hashes never used before in this session (the session master is shared)."""
+    return [hashlib.sha256(f"{time.time_ns()}-{next(_counter)}".encode()).hexdigest() for _ in range(n)]
+
+
+def pages(n: int, seed: int = 0) -> torch.Tensor:
+    """``n`` random pages in one pool-like tensor (rows are page views sharing one storage)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, NB), dtype=torch.uint8, generator=g)
+
+
+def sglang_keys(page_hash: str, model: str, tp_rank: int, mla: bool, pp_rank: int = 0, pp_size: int = 1):
+    """SGLang 0.5.19's names, transcribed from MooncakeStore.__init__ / _tag_keys / _get_*_buffer_meta."""
+    config_prefix = "-".join(model.split("/")) if model else None
+    key = f"{config_prefix}_{page_hash}" if config_prefix is not None else page_hash
+    if pp_size > 1:
+        mha_suffix, mla_suffix = f"{tp_rank}_{pp_rank}", f"{pp_rank}"
+    else:
+        mha_suffix, mla_suffix = f"{tp_rank}", ""
+    if mla:
+        return [f"{key}_{mla_suffix}_k"]
+    return [f"{key}_{mha_suffix}_k", f"{key}_{mha_suffix}_v"]
+
+
+@pytest.fixture
+def raw(mooncake_master):
+    """A raw Mooncake client on the same master (SGLang's side), contributing no segment."""
+    store_cls, _ = import_store()  # quiet C++ logging, as for our own clients
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    client = store_cls()
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", mooncake_master.address) == 0
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def store(mooncake_master):
+    s = open_storage(mooncake_master.spec(), "_org-tiny_1_2", NB, page_format=MHA)
+    yield s
+    s.close()
+
+
+# --- naming ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model,tp,mla,pp,pps", [("org/tiny", 1, False, 0, 1), ("org/tiny", 0, True, 0, 1),
+                                                 ("m", 3, False, 1, 2), ("m", 0, True, 1, 4), ("", 0, False, 0, 1)])
+def test_object_names_follow_sglang_rules(model, tp, mla, pp, pps):
+    h = "ab" * 32
+    naming = MooncakeNaming(model_name=model, tp_rank=tp, pp_rank=pp, pp_size=pps, mla=mla)
+    assert naming.objects(h) == sglang_keys(h, model, tp, mla, pp, pps)
+    assert naming.seal_object(h).endswith("_kvlp") and naming.seal_object(h) not in naming.objects(h)
+
+
+def test_naming_from_the_stack_suffix():
+    assert naming_from_suffix("_org-tiny_1_2", mla=False) == MooncakeNaming("org-tiny", 1)
+    assert naming_from_suffix("_org-tiny", mla=True) == MooncakeNaming("org-tiny", mla=True)
+    assert naming_from_suffix("", mla=False) == MooncakeNaming()
+
+
+def test_our_pages_are_sglang_objects_and_sglang_reads_them(store, raw):
+    h = fresh_hashes(2)
+    pool = pages(2)
+    assert store.batch_set(h, [pool[0], pool[1]]) == [True, True]
+    k_name, v_name = sglang_keys(h[1], "org/tiny", 1, mla=False)
+    assert raw.batch_is_exist([k_name, v_name, f"org-tiny_{h[1]}_1_kvlp"]) == [1, 1, 1]
+    # SGLang's batch_get_v1: zero-copy into K and V of its host page, exact object sizes
+    out = torch.zeros(NB, dtype=torch.uint8)
+    half = NB // 2
+    assert raw.batch_get_into([k_name, v_name], [out.data_ptr(), out.data_ptr() + half], [half, half]) == [half, half]
+    assert torch.equal(out, pool[1])
+
+
+def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(mooncake_master, raw):
+    h = fresh_hashes(1)[0]
+    page = pages(1, seed=5)[0]
+    half = NB // 2
+    names = sglang_keys(h, "org/tiny", 0, mla=False)
+    ours = open_storage(mooncake_master.spec(), "_org-tiny_0_1", NB, page_format=MHA)  # holds a segment
+    strict = open_storage(mooncake_master.spec(require_checksum=1), "_org-tiny_0_1", NB, page_format=MHA)
+    raw.register_buffer(page.data_ptr(), NB)
+    try:
+        assert raw.batch_put_from(names, [page.data_ptr(), page.data_ptr() + half], [half, half]) == [0, 0]
+        assert ours.batch_exists([h]) == 1 and strict.batch_exists([h]) == 0
+        buf = torch.zeros(NB, dtype=torch.uint8)
+        assert ours.batch_get([h], [buf]) == [True] and torch.equal(buf, page)
+        assert ours.stats().unverified == 1
+        assert strict.batch_get([h], [buf]) == [False] and not buf.any()
+        assert ours.batch_set([h], [page]) == [True] and ours.stats().skipped == 1  # first writer wins
+    finally:
+        ours.close()
+        strict.close()
+        raw.unregister_buffer(page.data_ptr())
+
+
+def test_mla_pages_are_one_object(mooncake_master, raw):
+    fmt = PageFormat.of("page_first", torch.bfloat16, (PS, LAYERS, 1, 16))
+    nb = PS * LAYERS * 16 * 2
+    s = open_storage(mooncake_master.spec(), "_org-tiny", nb, page_format=fmt)
+    try:
+        assert s.naming.mla
+        h = fresh_hashes(1)[0]
+        page = torch.arange(nb, dtype=torch.int32).to(torch.uint8)
+        assert s.batch_set([h], [page]) == [True]
+        assert raw.batch_is_exist([f"org-tiny_{h}__k", f"org-tiny_{h}__v"]) == [1, 0]
+        out = torch.zeros(nb, dtype=torch.uint8)
+        assert s.batch_get([h], [out]) == [True] and torch.equal(out, page)
+    finally:
+        s.close()
+
+
+# --- integrity ------------------------------------------------------------------------------------
+
+def _replace(raw, name: str, data: torch.Tensor) -> None:
+    """Swap one stored object for ``data`` (Mooncake's put keeps an existing value)."""
+    raw.remove(name, True)
+    raw.register_buffer(data.data_ptr(), data.numel())
+    assert raw.batch_put_from([name], [data.data_ptr()], [data.numel()]) == [0]
+    raw.unregister_buffer(data.data_ptr())
+
+
+def test_changed_bytes_are_a_counted_miss_and_removed(store, raw):
+    h = fresh_hashes(1)[0]
+    page = pages(1, seed=1)[0]
+    store.batch_set([h], [page])
+    v_name = sglang_keys(h, "org/tiny", 1, mla=False)[1]
+    bad = page[NB // 2:].clone()
+    bad[3] ^= 0x80
+    bad[100] ^= 0x80  # two sign-bit flips: what the old weighted sum missed
+    _replace(raw, v_name, bad)
+    buf = torch.full((NB,), 7, dtype=torch.uint8)
+    assert store.batch_get([h], [buf]) == [False] and not buf.any()  # nothing of it left behind
+    assert store.stats().corrupt == 1
+    assert raw.batch_is_exist(sglang_keys(h, "org/tiny", 1, mla=False)) == [0, 0]  # so a rewrite repairs it
+    assert store.batch_set([h], [page]) == [True] and store.batch_get([h], [buf]) == [True]
+    assert torch.equal(buf, page)
+
+
+def test_renamed_and_foreign_format_pages_are_misses(store, raw, mooncake_master):
+    a, b = fresh_hashes(2)
+    page = pages(1, seed=2)[0]
+    store.batch_set([a], [page])
+    # copy a's objects and seal under b's names (a page renamed onto another key)
+    for src, dst in zip(sglang_keys(a, "org/tiny", 1, False) + [f"org-tiny_{a}_1_kvlp"],
+                        sglang_keys(b, "org/tiny", 1, False) + [f"org-tiny_{b}_1_kvlp"]):
+        size = raw.get_size(src)
+        tmp = torch.zeros(size, dtype=torch.uint8)
+        raw.register_buffer(tmp.data_ptr(), size)
+        assert raw.batch_get_into([src], [tmp.data_ptr()], [size]) == [size]
+        raw.unregister_buffer(tmp.data_ptr())
+        _replace(raw, dst, tmp)
+    buf = torch.zeros(NB, dtype=torch.uint8)
+    assert store.batch_get([b], [buf]) == [False] and store.stats().foreign == 1
+    # the same bytes written by a deployment of another dtype under the same names
+    fp16 = open_storage(mooncake_master.spec(), "_org-tiny_1_2", NB,
+                        page_format=PageFormat.of("page_first", torch.float16, MHA.shape))
+    try:
+        c = fresh_hashes(1)[0]
+        assert fp16.batch_set([c], [page]) == [True]
+        assert store.batch_get([c], [buf]) == [False] and store.stats().foreign == 2
+        assert fp16.batch_get([c], [buf]) == [True] and torch.equal(buf, page)
+    finally:
+        fp16.close()
+
+
+def test_an_object_of_another_size_is_a_miss(store, raw):
+    h = fresh_hashes(1)[0]
+    k_name, v_name = sglang_keys(h, "org/tiny", 1, False)
+    for name, n in ((k_name, NB // 2), (v_name, NB // 2 + 8)):  # V too big for our buffer
+        _replace(raw, name, torch.ones(n, dtype=torch.uint8))
+    buf = torch.zeros(NB, dtype=torch.uint8)
+    assert store.batch_get([h], [buf]) == [False] and store.stats().wrong_size == 1 and not buf.any()
+
+
+# --- specs and bad input --------------------------------------------------------------------------
+
+def test_spec_parsing():
+    s = parse_spec("mooncake://127.0.0.1:5000?replica_num=2&global_segment_size=1GiB&lazy=1&model=org/m")
+    assert (s.master, s.replica_num, s.global_segment_size, s.lazy, s.model) == ("127.0.0.1:5000", 2, 1 << 30, True,
+                                                                                "org/m")
+    assert parse_spec("mooncake://[::1]:7").master == "[::1]:7" and parse_size("64MB") == 64 << 20
+    for bad in ("mooncake://127.0.0.1", "mooncake://h:1?bogus=1", "mooncake://h:1?replica_num=0",
+                "mooncake://h:1?global_segment_size=lots", "mooncake://h:1/x", "mooncake://h:1?lazy=maybe",
+                "mooncake://h:1?protocol=udp", "mooncake://h:1?exists_timeout_s=-1"):
+        with pytest.raises(StorageConfigError):
+            parse_spec(bad)
+
+
+def test_nothing_listening_is_a_fast_one_line_error():
+    require_mooncake()
+    spec = f"mooncake://127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    with pytest.raises(StorageUnavailable) as err:
+        open_storage(spec, "_m_0_1", NB)
+    assert time.monotonic() - t < 2.0
+    assert "\n" not in str(err.value) and "unreachable" in str(err.value) and spec[len("mooncake://"):] in str(err.value)
+
+
+def test_missing_extra_names_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as without the wheel
+    with pytest.raises(StorageUnavailable, match=r"kv-lifecycle\[mooncake\]") as err:
+        open_storage("mooncake://127.0.0.1:1", "_m_0_1", NB)
+    assert EXTRA_HINT in str(err.value)
+
+
+def test_bad_input_changes_nothing(store, raw):
+    h = fresh_hashes(2)
+    p = pages(2)
+    for keys, bufs, exc in (([h[0], "../x"], [p[0], p[1]], InvalidKey), ([h[0], h[1]], [p[0]], ValueError),
+                            ([h[0], h[1]], [p[0], p[1][:-1]], PageSizeMismatch)):
+        with pytest.raises(exc):
+            store.batch_set(keys, bufs)
+        with pytest.raises(exc):
+            store.batch_get(keys, bufs)
+    with pytest.raises(InvalidKey):
+        store.batch_exists([h[0], "nope"])
+    with pytest.raises(InvalidKey):
+        store.delete("NOPE")
+    assert raw.batch_is_exist(sglang_keys(h[0], "org/tiny", 1, False)) == [0, 0]
+    assert store.stats().stored == 0
+
+
+def test_exists_counts_the_longest_stored_prefix_and_delete_reports(store):
+    h = fresh_hashes(4)
+    p = pages(4)
+    assert store.batch_set([h[0], h[1], h[3]], [p[0], p[1], p[3]]) == [True] * 3
+    assert store.batch_exists(h) == 2
+    assert store.delete(h[1]) is True and store.delete(h[1]) is False
+    assert store.batch_exists(h) == 1
+    assert store.batch_get(h[:2], [p[2].clone(), p[2].clone()]) == [True, False]
