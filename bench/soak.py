@@ -93,9 +93,9 @@ def main() -> None:
         output_len="4-40", arrival_rate=0.0, think_steps=0, abort_frac=0.05, retract_frac=0.05,
         seed=args.seed, storage=f"file:{tmp.name}", reuse=False, verify="64", prefill_budget=4096,
     )
-    plans, max_len = simulate.prepare(cfg)
+    max_len = simulate.prepare(cfg)
     stack = build_stack(cfg.layers, cfg.heads, cfg.head_dim, torch.float16, cfg.page_size, cfg.device_tokens,
-                        cfg.host_tokens, cfg.rows, max_len, storage=cfg.storage, model_name=cfg.model_name(),
+                        cfg.host_tokens, cfg.rows, max_len, storage=cfg.storage_spec, model_name=cfg.model_name(),
                         storage_capacity_bytes=args.store_capacity)
     mgr = DecodeOffloadManager.from_stack(stack)
     rng = random.Random(args.seed)
@@ -114,7 +114,7 @@ def main() -> None:
     try:
         for i in range(n_rounds):
             cfg.seed = args.seed * 1_000 + i
-            rep = sim.run_pass(simulate.make_workload(cfg, prefix=f"s{i}-"), f"round{i}")
+            rep = sim.run_pass(simulate.iter_chats(cfg, prefix=f"s{i}-"), f"round{i}", total=cfg.requests)
             row = dict(round=i, requests=rep.requests, req_per_s=rep.requests / rep.wall_s,
                        rss_mib=rss_mib(), problems=rep.problems())
             for k in totals:

@@ -106,9 +106,35 @@ def state_table_md(mk: dict | None = None) -> str:
     return "\n".join(rows) + "\n"
 
 
+class DocProblem(ValueError):
+    """The state-table doc cannot be refreshed (markers missing or out of order, not text)."""
+
+
+def check_states_doc(path: Path) -> str:
+    """The doc's text, after checking it holds one generated block (``DOC_BEGIN`` then ``DOC_END``).
+
+    Raises:
+        DocProblem: a marker is missing, repeated or out of order, or the file is not UTF-8 text.
+        OSError: it cannot be read.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DocProblem(f"{str(path)!r} is not UTF-8 text") from None
+    begin, end = text.count(DOC_BEGIN), text.count(DOC_END)
+    if begin != 1 or end != 1 or text.index(DOC_BEGIN) > text.index(DOC_END):
+        raise DocProblem(f"{str(path)!r} needs exactly one {DOC_BEGIN} ... {DOC_END} block for the generated "
+                         f"state table (found {begin} begin and {end} end markers); nothing written")
+    return text
+
+
 def refresh_states_doc(path: Path) -> bool:
-    """Rewrite the generated block of docs/states.md; returns True when it changed."""
-    text = path.read_text()
+    """Rewrite the generated block of docs/states.md; returns True when it changed.
+
+    Raises:
+        DocProblem: see ``check_states_doc`` (nothing is written then).
+    """
+    text = check_states_doc(path)
     head, rest = text.split(DOC_BEGIN, 1)
     _, tail = rest.split(DOC_END, 1)
     new = f"{head}{DOC_BEGIN}\n{state_table_md()}{DOC_END}{tail}"

@@ -1,32 +1,29 @@
 """Replay an audit log (JSON lines) and check it independently of the manager.
 
-The manager's events (``lifecycle.audit``) are re-run against the *declared* transition table
-(``lifecycle.states.TRANSITIONS``), not against the manager's code, with the replay's own count of
-copies in flight standing in for the ``copies_in_flight`` guard. A violation names the line number
-(1-based) of the event where the log stops making sense. Checked:
+The manager's events (``lifecycle.audit``) are re-run against the *declared* lifecycle: each
+logged transition goes to ``lifecycle.states.decide`` (the table, its guards and refusals; see
+``lifecycle_tools.rules``) with the facts the replay reconstructs, above all its own count of the
+request's copies in flight. Nothing about which trigger is allowed when is coded here. A violation
+names the line number (1-based) of the event where the log stops making sense. Checked besides:
 
-* every ``lifecycle.transition`` is in the table (trigger, src -> dst), starts from the state the
-  replay has the request in, and respects the guards: ``release``/``landed`` only with nothing in
-  flight, ``host_short`` to PREFILLED only with nothing in flight and to INFLIGHT only with copies in
-  flight, ``enqueued`` only after its ``chunk_enqueued``;
+* events pair up: a ``release`` transition follows its ``lifecycle.released`` event, ``enqueued``
+  follows its ``chunk_enqueued``, a readmitted generation follows one release;
 * memory is freed exactly once per lifecycle: one ``lifecycle.released`` per lifecycle, in state
-  FINISHED, with nothing in flight, followed by the ``release`` transition; its ranges start at 0,
-  do not overlap, cover ``[0, committed)`` exactly once (when the event carries ``committed``) and
-  contain every chunk offloaded;
+  FINISHED, with nothing in flight; its ranges start at 0, do not overlap, cover
+  ``[0, committed)`` exactly once (when the event carries ``committed``) and contain every chunk;
 * chunks: ``ack_id`` unique, ranges contiguous within a lifecycle, each ``chunk_enqueued`` landed
   (``chunk_landed``) and then stored (``lifecycle.stored`` with its ack id) or failed (a landed event
   with ``error``, no storage op, or ``copy_failed``); nothing lands twice or after a release; a copy
-  past its deadline (``copy_expired``) stops counting as in flight (its slots are quarantined by the
-  manager, so a release may follow) and must later end (``expired_copy_ended``);
-* no ``lifecycle.leaked``; every lifecycle ends RELEASED (or readmitted).
+  past its deadline (``copy_expired``) stops counting as in flight and must later end;
+* no ``lifecycle.leaked``; every lifecycle ends RELEASED (or readmitted);
+* every event is a JSON object whose known fields have the types the manager writes (a ``rid``
+  that is a list is a violation on its line, never a crash); a log with no lifecycle event fails.
 
-Lifecycles are keyed by ``(rid, gen, row)``: ``gen`` (the lifecycle generation the manager binds,
-0 then +1 per ``readmit``) and ``row`` (a request holds its row for a whole generation) separate a
-readmitted request's generations and two live requests that share a rid. Limitation: a rid reused by
-a new request object after the old one was RELEASED, on the same row, is recognised only by its first
-event being a transition from PREFILLED; a log that lacks ``gen`` (older managers) cannot tell a
-readmitted generation from a new request with the same rid (both are checked, as separate
-lifecycles). ``lifecycle.stored`` carries no row: it is matched to its chunk by ``ack_id``.
+Lifecycles are keyed by ``(rid, gen, row)``: ``gen`` (0, then +1 per ``readmit``) and ``row``
+separate a readmitted request's generations and two live requests that share a rid. A rid reused by
+a new request after the old one was RELEASED, on the same row, is recognised by its first event
+being a transition from PREFILLED; a log without ``gen`` cannot tell a readmitted generation from a
+new request with the same rid (both are checked, as separate lifecycles).
 
 Times: the ``t`` field (seconds, monotonic, written by the CLI's log configuration) when present,
 else ``timestamp`` (ISO 8601 or epoch seconds), else the line number.
@@ -35,117 +32,19 @@ else ``timestamp`` (ISO 8601 or epoch seconds), else the line number.
 from __future__ import annotations
 
 import json
-import math
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from datetime import datetime
 
 from lifecycle import audit
-from lifecycle.states import INITIAL, TRANSITIONS, State
+from lifecycle.states import State
+from lifecycle_tools import interrupt
+from lifecycle_tools.audit_log import field_problem, read_lines
+from lifecycle_tools.audit_report import format_report
+from lifecycle_tools.replay_model import (
+    INITIAL_NAME, RELEASED_NAME, STATE_NAMES, Chunk, Lifecycle, Replay, Violation)
+from lifecycle_tools.rules import STATE_NAMES as _KNOWN_STATES, declared_table, verdict
 
-INITIAL_NAME = INITIAL.name
-RELEASED_NAME = State.RELEASED.name
-STATE_NAMES = [s.name for s in State]
-
-
-def declared_table(table=TRANSITIONS) -> dict[tuple[str, str], set[str]]:
-    """(trigger, src) -> allowed destinations, from the declared table."""
-    out: dict[tuple[str, str], set[str]] = defaultdict(set)
-    for row in table:
-        sources = row["source"] if isinstance(row["source"], (list, tuple)) else [row["source"]]
-        for src in sources:
-            out[(row["trigger"], _name(src))].add(_name(row["dest"]))
-    return dict(out)
-
-
-def _name(state) -> str:
-    return state.name if isinstance(state, State) else str(state)
-
-
-@dataclass
-class Violation:
-    line: int
-    rid: object
-    message: str
-
-    def __str__(self) -> str:
-        return f"line {self.line}: request {self.rid!r}: {self.message}"
-
-
-@dataclass
-class Chunk:
-    ack_id: int
-    rid: object
-    life: "Lifecycle"
-    start: int
-    end: int
-    pages: int
-    enq_t: float
-    enq_line: int
-    landed_t: float | None = None
-    landed_line: int | None = None
-    op_id: int | None = None
-    stored_t: float | None = None
-    stored_line: int | None = None
-    failed: bool = False
-    expired_line: int | None = None      # copy past its deadline: slots quarantined until it ends
-    ended_line: int | None = None
-
-
-@dataclass
-class Lifecycle:
-    """One request generation as the log tells it."""
-
-    rid: object
-    gen: int | None
-    row: int | None
-    first_line: int
-    start_t: float
-    state: str = INITIAL_NAME
-    state_line: int = 0
-    entered_t: float = 0.0
-    last_line: int = 0
-    end_t: float | None = None
-    inflight: dict = field(default_factory=dict)       # ack_id -> Chunk
-    chunks: list = field(default_factory=list)
-    released: int = 0
-    released_line: int | None = None
-    release_pending: bool = False
-    ranges: list = field(default_factory=list)
-    committed: int | None = None
-    readmitted: bool = False
-    history: list = field(default_factory=list)          # (t, state) entries
-    enqueue_pending: bool = False
-
-    @property
-    def label(self) -> str:
-        return f"{self.rid}" if not self.gen else f"{self.rid}#{self.gen}"
-
-
-@dataclass
-class Replay:
-    """What a log says, and what is wrong with it."""
-
-    events: int = 0
-    lines: int = 0
-    lifecycles: list = field(default_factory=list)
-    chunks: dict = field(default_factory=dict)
-    violations: list = field(default_factory=list)
-    triggers: Counter = field(default_factory=Counter)
-    event_counts: Counter = field(default_factory=Counter)
-    durations: dict = field(default_factory=lambda: defaultdict(list))   # state -> [seconds]
-    visits: Counter = field(default_factory=Counter)
-    refusals: list = field(default_factory=list)
-    t0: float | None = None
-    t1: float | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations
-
-    @property
-    def requests(self) -> int:
-        return len({life.rid for life in self.lifecycles})
+__all__ = ["INITIAL_NAME", "RELEASED_NAME", "STATE_NAMES", "Chunk", "Lifecycle", "Replay", "Violation",
+           "declared_table", "format_report", "replay", "replay_file"]
 
 
 def _time(ev: dict, line: int) -> float:
@@ -165,7 +64,6 @@ def _time(ev: dict, line: int) -> float:
 
 class _Replayer:
     def __init__(self) -> None:
-        self.table = declared_table()
         self.r = Replay()
         self.live: dict[tuple, Lifecycle] = {}
         self.readmits: dict[tuple, int] = {}      # (rid, gen) -> line of its readmit
@@ -201,43 +99,39 @@ class _Replayer:
     # -- events --------------------------------------------------------------------------------
     def transition(self, ev: dict, line: int, t: float) -> None:
         trig, src, dst = ev.get("trigger"), ev.get("src"), ev.get("dst")
-        starts = src == INITIAL_NAME and trig in ("offload", "finish")
-        life = self.life_for(ev, line, t, starts=starts)
+        if src not in _KNOWN_STATES or dst not in _KNOWN_STATES:
+            self.bad(line, ev.get("rid"), f"transition {trig!r} names an unknown state ({src!r} -> {dst!r})")
+            return
+        life = self.life_for(ev, line, t, starts=src == INITIAL_NAME and trig in ("offload", "finish"))
         rid = life.rid
         self.r.triggers[trig] += 1
-        allowed = self.table.get((trig, src))
-        if allowed is None or dst not in allowed:
-            self.bad(line, rid, f"illegal transition {trig!r} {src} -> {dst} (not in the declared table)")
+        problem = verdict(trig, src, dst, len(life.inflight))
+        if problem:
+            held = ", ".join(f"ack {c.ack_id} (line {c.enq_line})" for c in list(life.inflight.values())[:3])
+            self.bad(line, rid, problem + (f"; in flight: {held}" if held else ""))
         if src != life.state:
             self.bad(line, rid, f"{trig!r} from {src}, but the request was {life.state} (since line {life.state_line})")
-        n = len(life.inflight)
-        held = ", ".join(f"ack {c.ack_id} (line {c.enq_line})" for c in list(life.inflight.values())[:3])
+        self._pairing(trig, life, line)
+        self.enter(life, dst, t, line)
+
+    def _pairing(self, trig: str, life: Lifecycle, line: int) -> None:
+        """Transitions that must follow (or be followed by) an event of their own."""
         if trig == "release":
-            if n:
-                self.bad(line, rid, f"released while {n} copies in flight: {held}")
             if not life.release_pending:
-                self.bad(line, rid, "release transition without a lifecycle.released event (slots never freed)")
+                self.bad(line, life.rid, "release transition without a lifecycle.released event (slots never freed)")
             life.release_pending = False
-        elif trig == "landed" and n:
-            self.bad(line, rid, f"'landed' to {dst} while {n} copies still in flight: {held}")
-        elif trig == "host_short":
-            if dst == INITIAL_NAME and n:
-                self.bad(line, rid, f"host_short back to {dst} with {n} copies in flight")
-            if dst == State.INFLIGHT.name and not n:
-                self.bad(line, rid, "host_short to INFLIGHT with nothing in flight")
         elif trig == "enqueued":
             if not life.enqueue_pending:
-                self.bad(line, rid, "'enqueued' without a chunk_enqueued event")
+                self.bad(line, life.rid, "'enqueued' without a chunk_enqueued event")
+            life.enqueue_pending = False
+        elif trig == "offload":
             life.enqueue_pending = False
         elif trig == "readmit":
             life.readmitted = True
             if isinstance(life.gen, int):
-                self.readmits[(rid, life.gen)] = line
+                self.readmits[(life.rid, life.gen)] = line
             if life.released != 1:
-                self.bad(line, rid, f"readmitted after {life.released} releases (want exactly 1)")
-        if trig == "offload":
-            life.enqueue_pending = False
-        self.enter(life, dst if isinstance(dst, str) else str(dst), t, line)
+                self.bad(line, life.rid, f"readmitted after {life.released} releases (want exactly 1)")
 
     def chunk_enqueued(self, ev: dict, line: int, t: float) -> None:
         life = self.life_for(ev, line, t, starts=False)
@@ -372,51 +266,71 @@ class _Replayer:
 
     # -- the whole log ---------------------------------------------------------------------------
     def run(self, lines) -> Replay:
-        r = self.r
         handlers = {
-            audit.TRANSITION: self.transition,
-            audit.CHUNK_ENQUEUED: self.chunk_enqueued,
-            audit.CHUNK_LANDED: self.chunk_landed,
-            audit.STORED: self.stored,
-            audit.RELEASED: self.released,
-            audit.LEAKED: self.leaked,
-            getattr(audit, "COPY_FAILED", "lifecycle.copy_failed"): self.copy_failed,
-            getattr(audit, "COPY_EXPIRED", "lifecycle.copy_expired"): self.copy_expired,
-            getattr(audit, "EXPIRED_COPY_ENDED", "lifecycle.expired_copy_ended"): self.expired_copy_ended,
+            audit.TRANSITION: self.transition, audit.CHUNK_ENQUEUED: self.chunk_enqueued,
+            audit.CHUNK_LANDED: self.chunk_landed, audit.STORED: self.stored, audit.RELEASED: self.released,
+            audit.LEAKED: self.leaked, audit.COPY_FAILED: self.copy_failed, audit.COPY_EXPIRED: self.copy_expired,
+            audit.EXPIRED_COPY_ENDED: self.expired_copy_ended,
         }
         for n, raw in enumerate(lines, 1):
-            r.lines = n
-            raw = raw.strip()
-            if not raw:
+            if n % 4096 == 0:
+                interrupt.check()
+            self.r.lines = n
+            ev = self._parse(n, raw)
+            if ev is None:
                 continue
-            try:
-                ev = json.loads(raw)
-            except ValueError:
-                self.bad(n, None, "not a JSON line")
-                continue
-            if not isinstance(ev, dict):
-                self.bad(n, None, "not a JSON object")
-                continue
-            name = ev.get("event")
-            r.events += 1
-            r.event_counts[name] += 1
-            t = _time(ev, n)
-            r.t0 = t if r.t0 is None else min(r.t0, t)
-            r.t1 = t if r.t1 is None else max(r.t1, t)
+            name = ev["event"]
             if name == audit.REFUSED:
-                r.refusals.append((n, ev.get("rid"), ev.get("trigger"), ev.get("reason")))
-                continue
-            handler = handlers.get(name)
-            if handler is not None:
-                handler(ev, n, t)
-        for life in r.lifecycles:
+                self.r.refusals.append((n, ev.get("rid"), ev.get("trigger"), ev.get("reason")))
+            elif name in handlers:
+                handlers[name](ev, n, _time(ev, n))
+        self._finish()
+        self.r.violations.sort(key=lambda v: v.line)
+        return self.r
+
+    def _parse(self, n: int, raw: str) -> dict | None:
+        """The event on line ``n``, counted; None (with a violation where due) when it cannot be replayed."""
+        r = self.r
+        raw = raw.strip()
+        if not raw:
+            return None
+        try:
+            ev = json.loads(raw)
+        except (ValueError, RecursionError):
+            self.bad(n, None, "not a JSON line")
+            return None
+        if not isinstance(ev, dict):
+            self.bad(n, None, "not a JSON object")
+            return None
+        name = ev.get("event")
+        if not isinstance(name, str):
+            self.bad(n, None, f"'event' is {type(name).__name__}, want text")
+            return None
+        r.events += 1
+        r.event_counts[name] += 1
+        t = _time(ev, n)
+        r.t0 = t if r.t0 is None else min(r.t0, t)
+        r.t1 = t if r.t1 is None else max(r.t1, t)
+        if not name.startswith("lifecycle."):
+            return None
+        r.lifecycle_events += 1
+        problem = field_problem(ev)
+        if problem:
+            rid = ev.get("rid")
+            self.bad(n, rid if isinstance(rid, (str, int)) else None, f"{name}: {problem}")
+            return None
+        return ev
+
+    def _finish(self) -> None:
+        """End-of-log checks: every lifecycle released once, every chunk landed and settled."""
+        for life in self.r.lifecycles:
             if life.readmitted:
                 continue
             if life.state != RELEASED_NAME:
                 self.bad(life.last_line, life.rid, f"never released (last state {life.state}, line {life.state_line})")
             elif life.released != 1:
                 self.bad(life.last_line, life.rid, f"released {life.released} times (want exactly 1)")
-        for chunk in r.chunks.values():
+        for chunk in self.r.chunks.values():
             if chunk.landed_line is None:
                 self.bad(chunk.enq_line, chunk.rid, f"chunk ack {chunk.ack_id} never landed")
             elif chunk.stored_line is None and not chunk.failed:
@@ -424,8 +338,6 @@ class _Replayer:
             if chunk.expired_line is not None and chunk.ended_line is None:
                 self.bad(chunk.expired_line, chunk.rid,
                          f"expired copy ack {chunk.ack_id} never ended (its quarantined slots stay held)")
-        r.violations.sort(key=lambda v: v.line)
-        return r
 
 
 def replay(lines) -> Replay:
@@ -434,44 +346,9 @@ def replay(lines) -> Replay:
 
 
 def replay_file(path) -> Replay:
-    """Replay the audit log at ``path``. Raises OSError when it cannot be read."""
-    with open(path, encoding="utf-8") as f:
-        return replay(f)
+    """Replay the audit log at ``path``, streamed.
 
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return 0.0
-    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
-
-
-def format_report(r: Replay, path: str = "", max_violations: int = 50) -> str:
-    """The human summary: counts, per-state durations, and every violation (capped)."""
-    out = []
-    span = (r.t1 - r.t0) * 1000 if r.t0 is not None else 0.0
-    failed = sum(1 for c in r.chunks.values() if c.failed)
-    stored = sum(1 for c in r.chunks.values() if c.stored_line is not None)
-    out.append(f"audit log {path}: {r.events} events over {span:.1f} ms; {r.requests} requests, "
-               f"{len(r.lifecycles)} lifecycles, {len(r.chunks)} chunks ({stored} stored, {failed} failed)")
-    out.append(f"{'state':<12}{'entered':>9}{'left':>8}{'p50 ms':>11}{'p99 ms':>11}{'max ms':>11}{'total ms':>12}")
-    for name in STATE_NAMES:
-        d = r.durations.get(name, [])
-        entered = r.visits[name] + (len(r.lifecycles) if name == INITIAL_NAME else 0)
-        out.append(f"{name:<12}{entered:>9}{len(d):>8}{_pct(d, 50) * 1e3:>11.3f}{_pct(d, 99) * 1e3:>11.3f}"
-                   f"{max(d, default=0.0) * 1e3:>11.3f}{sum(d) * 1e3:>12.1f}")
-    final = Counter(life.state for life in r.lifecycles if not life.readmitted)
-    out.append("final states: " + (", ".join(f"{k} {v}" for k, v in sorted(final.items())) or "none"))
-    out.append("transitions: " + (", ".join(f"{k} {v}" for k, v in sorted(r.triggers.items())) or "none"))
-    if r.refusals:
-        out.append(f"refused calls (the manager said no; not violations): {len(r.refusals)}")
-        for line, rid, trig, reason in r.refusals[:5]:
-            out.append(f"  line {line}: request {rid!r}: {trig}: {reason}")
-    if r.violations:
-        out.append(f"VIOLATIONS: {len(r.violations)}")
-        out += [f"  {v}" for v in r.violations[:max_violations]]
-        if len(r.violations) > max_violations:
-            out.append(f"  ... {len(r.violations) - max_violations} more")
-    else:
-        out.append("OK: every transition legal, every lifecycle released exactly once, never under a copy")
-    return "\n".join(out)
+    Raises:
+        LogUnreadable: it cannot be read, or is not a text log (see ``audit_log.read_lines``).
+    """
+    return replay(read_lines(path))

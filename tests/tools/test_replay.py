@@ -111,7 +111,8 @@ def test_release_while_a_copy_is_in_flight():
     log.land("a", 1, 8, 12, then=None)
     r = replay(log.lines())
     msgs = messages(r)
-    assert any(line == 6 and "copies in flight: ack 1 (line 2)" in m for line, m in msgs), msgs
+    assert any(line == 6 and "refused by the declared table" in m and "in flight: ack 1 (line 2)" in m
+               for line, m in msgs), msgs
     assert any(line == 7 and "landed after the request was released" in m for line, m in msgs), msgs
 
 
