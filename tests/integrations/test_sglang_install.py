@@ -18,7 +18,7 @@ import pytest
 
 import lifecycle.integrations.sglang as integration
 from lifecycle.integrations.sglang import ENV, SGLangConfigError, install, installed, plugin, uninstall
-from lifecycle.integrations.sglang.install import DEFINING_MODULE
+from lifecycle.integrations.sglang.install import DEFINING_MODULE, RELEASE_MODULE
 
 SCHEDULER = "sglang.srt.managers.scheduler"
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +29,11 @@ class SGLangsOwn:
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, tp_group, tree_cache):
         raise AssertionError("SGLang's own manager was constructed")
+
+
+def sglangs_release_kv_cache(req, tree_cache, is_insert=True):
+    """Stands in for ``sglang.srt.mem_cache.common.release_kv_cache``."""
+    tree_cache.append(req)
 
 
 def _construct_as_scheduler(scheduler_module):
@@ -43,14 +48,18 @@ def sglang_modules(monkeypatch):
     try:
         import sglang.srt.disaggregation.decode_kvcache_offload_manager  # noqa: F401
     except ImportError:
-        for name in ("sglang", "sglang.srt", "sglang.srt.disaggregation", "sglang.srt.managers"):
+        for name in ("sglang", "sglang.srt", "sglang.srt.disaggregation", "sglang.srt.managers",
+                     "sglang.srt.mem_cache"):
             monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
         defining = types.ModuleType(DEFINING_MODULE)
         defining.DecodeKVCacheOffloadManager = SGLangsOwn
+        common = types.ModuleType(RELEASE_MODULE)
+        common.release_kv_cache = sglangs_release_kv_cache
         scheduler = types.ModuleType(SCHEDULER)
         scheduler.DecodeKVCacheOffloadManager = SGLangsOwn
-        monkeypatch.setitem(sys.modules, DEFINING_MODULE, defining)
-        monkeypatch.setitem(sys.modules, SCHEDULER, scheduler)
+        scheduler.release_kv_cache = sglangs_release_kv_cache
+        for module in (defining, common, scheduler):
+            monkeypatch.setitem(sys.modules, module.__name__, module)
     own = sys.modules[DEFINING_MODULE].DecodeKVCacheOffloadManager
     yield own
     uninstall()
@@ -67,6 +76,10 @@ def test_install_rebinds_the_name_the_scheduler_constructs_and_uninstall_restore
         assert SCHEDULER in changed
         assert _construct_as_scheduler(sys.modules[SCHEDULER]) is ours
     assert installed() and os.environ[ENV] == "1"
+    release = sys.modules[RELEASE_MODULE].release_kv_cache
+    assert release.__wrapped__ is sglangs_original(sglang_modules) and release is not release.__wrapped__
+    if SCHEDULER in sys.modules:
+        assert sys.modules[SCHEDULER].release_kv_cache is release
     assert install() == changed  # idempotent
     restored = uninstall()
     assert DEFINING_MODULE in restored
@@ -74,17 +87,35 @@ def test_install_rebinds_the_name_the_scheduler_constructs_and_uninstall_restore
     if SCHEDULER in sys.modules:
         assert sys.modules[SCHEDULER].DecodeKVCacheOffloadManager is own
     assert not installed() and ENV not in os.environ
+    assert sys.modules[RELEASE_MODULE].release_kv_cache is release.__wrapped__
+    if SCHEDULER in sys.modules:
+        assert sys.modules[SCHEDULER].release_kv_cache is release.__wrapped__
     assert uninstall() == []
+
+
+def sglangs_original(own):
+    return sglangs_release_kv_cache if own is SGLangsOwn else __import__(
+        "sglang.srt.mem_cache.common", fromlist=["x"]).release_kv_cache
+
+
+def test_the_release_hook_calls_sglangs_release_when_no_manager_tracks_the_request(sglang_modules):
+    if sglang_modules is not SGLangsOwn:
+        pytest.skip("needs the stand-in release_kv_cache")
+    install()
+    calls = []
+    sys.modules[RELEASE_MODULE].release_kv_cache("req", calls)
+    assert calls == ["req"]
 
 
 def test_a_module_imported_after_install_gets_ours(sglang_modules, monkeypatch):
     install()
-    late = types.ModuleType("sglang_late_importer")
+    late = types.ModuleType("sglang.srt.late_importer")
     late.DecodeKVCacheOffloadManager = sys.modules[DEFINING_MODULE].DecodeKVCacheOffloadManager  # from-import
     monkeypatch.setitem(sys.modules, late.__name__, late)
     assert late.DecodeKVCacheOffloadManager is integration.DecodeKVCacheOffloadManager
     uninstall()
     assert late.DecodeKVCacheOffloadManager is sglang_modules
+    assert integration.DecodeKVCacheOffloadManager.__module__ == "lifecycle.integrations.sglang.manager"
 
 
 def test_the_plugin_installs_only_when_switched_on(sglang_modules, monkeypatch):

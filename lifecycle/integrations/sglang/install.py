@@ -4,8 +4,15 @@ SGLang 0.5.19's scheduler constructs the manager by a module-global name:
 ``sglang.srt.managers.scheduler`` does ``from sglang.srt.disaggregation.
 decode_kvcache_offload_manager import DecodeKVCacheOffloadManager`` and calls it in
 ``Scheduler.__init__`` when ``--disaggregation-decode-enable-offload-kvcache`` is set. ``install()``
-rebinds that name, in the defining module and in every loaded module holding SGLang's class under
-it (as SGLang's own ``HookRegistry`` class REPLACE does), to ours. ``uninstall()`` puts SGLang's back.
+rebinds that name, in the defining module and in every loaded SGLang module holding SGLang's class
+under it (as SGLang's own ``HookRegistry`` class REPLACE does), to ours.
+
+SGLang also frees a decode request's KV itself, bypassing the offload manager, when it retracts or
+aborts it: ``sglang.srt.mem_cache.common.release_kv_cache`` (imported by name by the scheduler,
+the batch result processor, the decode queues ...). ``install()`` wraps that function the same way:
+before SGLang frees a request one of our managers tracks, the manager waits for the request's copies
+still reading those slots and ends its lifecycle without freeing (``before_sglang_release``); SGLang
+then frees as it always did. ``uninstall()`` puts SGLang's class and function back.
 
 SGLang runs schedulers in spawned processes, which do not inherit a patch; they do inherit the
 environment. ``install()`` also sets ``KV_LIFECYCLE_SGLANG=1``, and the ``sglang.srt.plugins``
@@ -16,6 +23,7 @@ before launching SGLang from Python, or ``KV_LIFECYCLE_SGLANG=1`` in the server'
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -26,9 +34,11 @@ from lifecycle.integrations.sglang.errors import SGLangConfigError
 ENV = "KV_LIFECYCLE_SGLANG"
 NAME = "DecodeKVCacheOffloadManager"
 DEFINING_MODULE = "sglang.srt.disaggregation.decode_kvcache_offload_manager"
+RELEASE = "release_kv_cache"
+RELEASE_MODULE = "sglang.srt.mem_cache.common"
 
 _lock = threading.Lock()
-_original: list = []  # SGLang's class, while installed
+_original: list = []  # (SGLang's class, SGLang's release_kv_cache, our wrapper of it), while installed
 
 
 def _ours():
@@ -37,14 +47,44 @@ def _ours():
     return DecodeKVCacheOffloadManager
 
 
-def _rebind(old, new) -> list[str]:
-    """Set ``NAME`` to ``new`` in every loaded module where it is ``old``; the modules changed."""
+def _rebind(attr: str, old, new) -> list[str]:
+    """Set ``attr`` to ``new`` in every loaded SGLang module (``sglang``, ``sglang.*``) where it is
+    ``old``; the modules changed. Other modules (ours, the application's) are never touched."""
     changed = []
     for name, module in list(sys.modules.items()):
-        if module is not None and getattr(module, NAME, None) is old:
-            setattr(module, NAME, new)
+        if not (name == "sglang" or name.startswith("sglang.")):
+            continue
+        if module is not None and getattr(module, attr, None) is old:
+            setattr(module, attr, new)
             changed.append(name)
     return changed
+
+
+def _release_hook(original):
+    """``release_kv_cache`` that first lets our managers settle the request (see the module doc)."""
+    from lifecycle.integrations.sglang.manager import active_managers
+
+    @functools.wraps(original)
+    def release_kv_cache(req, tree_cache, *args, **kwargs):
+        proceed = True
+        for mgr in active_managers():
+            proceed = mgr.before_sglang_release(req) and proceed
+        if proceed:
+            return original(req, tree_cache, *args, **kwargs)
+        return None
+
+    return release_kv_cache
+
+
+def _import(module_name: str, attr: str):
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise SGLangConfigError(f"cannot install into SGLang: {module_name} does not import ({err})") from err
+    value = getattr(module, attr, None)
+    if value is None:
+        raise SGLangConfigError(f"cannot install into SGLang: {module_name} has no {attr}")
+    return value
 
 
 def install() -> list[str]:
@@ -54,25 +94,20 @@ def install() -> list[str]:
         The modules whose ``DecodeKVCacheOffloadManager`` now names ours (the defining module,
         and ``sglang.srt.managers.scheduler`` when it is loaded).
     Raises:
-        SGLangConfigError: SGLang's decode offload module cannot be imported or has no such class
-            (nothing changes, the environment included).
+        SGLangConfigError: SGLang's decode offload module or ``release_kv_cache`` cannot be
+            imported (nothing changes, the environment included).
     """
     ours = _ours()
     with _lock:
-        try:
-            module = importlib.import_module(DEFINING_MODULE)
-        except ImportError as err:
-            raise SGLangConfigError(f"cannot install into SGLang: {DEFINING_MODULE} does not import ({err})") from err
-        current = getattr(module, NAME, None)
-        if current is None:
-            raise SGLangConfigError(f"cannot install into SGLang: {DEFINING_MODULE} has no {NAME}")
-        if _original:
-            _rebind(_original[0], ours)  # modules imported since the last install
-        else:
-            _original.append(current)
-            _rebind(current, ours)
+        if not _original:
+            cls, release = _import(DEFINING_MODULE, NAME), _import(RELEASE_MODULE, RELEASE)
+            _original.append((cls, release, _release_hook(release)))
+        cls, release, hook = _original[0]
+        _rebind(NAME, cls, ours)  # again on a repeated install: modules imported since
+        _rebind(RELEASE, release, hook)
         os.environ[ENV] = "1"
-        return sorted(n for n, m in list(sys.modules.items()) if m is not None and getattr(m, NAME, None) is ours)
+        return sorted(n for n, m in list(sys.modules.items())
+                      if n.startswith("sglang.") and m is not None and getattr(m, NAME, None) is ours)
 
 
 def uninstall() -> list[str]:
@@ -85,8 +120,9 @@ def uninstall() -> list[str]:
         os.environ.pop(ENV, None)
         if not _original:
             return []
-        restored = _rebind(_ours(), _original.pop())
-        return sorted(restored)
+        cls, release, hook = _original.pop()
+        _rebind(RELEASE, hook, release)
+        return sorted(_rebind(NAME, _ours(), cls))
 
 
 def installed() -> bool:

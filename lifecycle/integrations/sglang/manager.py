@@ -9,6 +9,9 @@ reading SGLang's device buffers in place, our page-first host pool, the file sto
 
 from __future__ import annotations
 
+import time
+import weakref
+
 from lifecycle.integrations.sglang import runtime
 from lifecycle.integrations.sglang.config import OffloadConfig, read_config
 from lifecycle.integrations.sglang.device_pool import LayeredKVPool, from_sglang
@@ -18,10 +21,18 @@ from lifecycle.integrations.sglang.release import SGLangReleaseSink
 from lifecycle.integrations.sglang.storage import open_storage
 from lifecycle.log import get_logger
 from lifecycle.manager import DecodeOffloadManager
+from lifecycle.states import State
 from transfer.host_offloader import HostOffloader
 from transfer.host_pool import HostPool
 
 log = get_logger("lifecycle.integrations.sglang")
+_ACTIVE: "weakref.WeakSet[DecodeKVCacheOffloadManager]" = weakref.WeakSet()
+_WAITING = (State.INFLIGHT, State.FINISHED)  # copies of the request still in flight
+
+
+def active_managers() -> list:
+    """Our managers constructed in this process and not yet shut down."""
+    return list(_ACTIVE)
 
 
 class OngoingOffload:
@@ -91,6 +102,8 @@ class DecodeKVCacheOffloadManager:
         self.storage, self.offloader, self.release_sink = storage, offloader, sink
         self.ongoing_offload = OngoingOffload(self.manager)
         self._released_host = False
+        self._released_by_sglang: weakref.WeakSet = weakref.WeakSet()  # to readmit when back with a row
+        _ACTIVE.add(self)
         log.info("sglang.decode_offload_enabled", page_size=config.page_size, stride=config.offload_stride,
                  backend=config.storage_backend, storage_dir=config.storage_dir, suffix=storage.suffix,
                  mla=device.mla, layers=device.layers, host_pages=host.num_pages, tp_rank=tp_rank, tp_size=tp_size)
@@ -98,7 +111,10 @@ class DecodeKVCacheOffloadManager:
     # --- SGLang's calls ----------------------------------------------------------------------------
 
     def offload_kv_cache(self, req) -> bool:
-        """After a decode step: enqueue the request's next full chunk. See ``DecodeOffloadManager``."""
+        """After a decode step: enqueue the request's next full chunk. See ``DecodeOffloadManager``.
+        A request SGLang released itself (retracted) and resumed with a new row is readmitted first."""
+        if self._released_by_sglang and req in self._released_by_sglang and not self._readmit(req):
+            return False
         return self.manager.offload_kv_cache(req)
 
     def check_offload_progress(self) -> None:
@@ -106,8 +122,58 @@ class DecodeKVCacheOffloadManager:
         self.manager.check_offload_progress()
 
     def finalize_release_on_finish(self, req) -> None:
-        """A finished request with nothing more to offload: release now or when its copies land."""
+        """A finished request with nothing more to offload: release now or when its copies land.
+        A request SGLang already released itself and that holds no row again has nothing to free."""
+        if self._released_by_sglang and req in self._released_by_sglang and not self._readmit(req):
+            return
         self.manager.finalize_release_on_finish(req)
+
+    def before_sglang_release(self, req) -> bool:
+        """SGLang is about to free ``req``'s KV itself (``release_kv_cache``: retraction, abort).
+
+        Waits for the request's copies still reading its slots (polling ``check_offload_progress``;
+        with TP every rank settles the same copies per poll, so all ranks poll equally often), then
+        ends its lifecycle here without freeing anything: SGLang frees. Called by the hook
+        ``install()`` puts on ``release_kv_cache``.
+
+        Returns:
+            False when the lifecycle released the request itself while waiting (a finished request
+            whose last copy landed): SGLang must not free it again. True otherwise.
+        """
+        if self._released_host:
+            return True
+        state = self.manager.state_of(req)
+        if state is None or state is State.RELEASED:
+            return True
+        deadline = None if self.tp_world_size > 1 else time.monotonic() + self.SGLANG_RELEASE_WAIT_S
+        while state in _WAITING:
+            self.manager.check_offload_progress()
+            state = self.manager.state_of(req)
+            if state not in _WAITING:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
+                          waited_s=self.SGLANG_RELEASE_WAIT_S)
+                return True
+            time.sleep(0.0002)
+        if state is State.RELEASED:
+            return False
+        with self.release_sink.released_by_sglang():
+            self.manager.finalize_release_on_finish(req)
+        self._released_by_sglang.add(req)
+        log.info("sglang.released_by_sglang", rid=getattr(req, "rid", None))
+        return True
+
+    SGLANG_RELEASE_WAIT_S = 10.0  # TP=1 only: then SGLang frees anyway (logged sglang.release_under_copy)
+
+    def _readmit(self, req) -> bool:
+        """Start a new lifecycle for a request SGLang released and gave a row again; False if it has none."""
+        row = getattr(req.kv, "req_pool_idx", None)
+        if row is None or row == -1:
+            return False
+        self._released_by_sglang.discard(req)
+        self.manager.readmit(req)
+        return True
 
     def release_host_resources(self) -> None:
         """At shutdown (SGLang calls it from the scheduler process's ``finally``): drain queued copies
@@ -116,6 +182,7 @@ class DecodeKVCacheOffloadManager:
         if self._released_host:
             return
         self._released_host = True
+        _ACTIVE.discard(self)
         stats = self.manager.stats()
         self.manager.shutdown(force=True)
         self.storage.close()

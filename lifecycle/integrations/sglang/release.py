@@ -14,6 +14,9 @@ those four steps rely on, so a refused release changes nothing.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from lifecycle.errors import InvalidRequest
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 
@@ -34,6 +37,17 @@ class SGLangReleaseSink:
         if not isinstance(getattr(tree_cache, "protected_size_", None), int):
             raise SGLangConfigError(f"tree cache {type(tree_cache).__name__} has no integer protected_size_")
         self.tree_cache, self.req_to_token_pool = tree_cache, req_to_token_pool
+        self._sglang_frees = False
+
+    @contextmanager
+    def released_by_sglang(self) -> Iterator[None]:
+        """Within the block, a release has no effect and nothing to check: SGLang is about to free
+        the request itself (``release_kv_cache``), so the lifecycle only records it."""
+        self._sglang_frees = True
+        try:
+            yield
+        finally:
+            self._sglang_frees = False
 
     def check(self, plan) -> None:
         """Everything ``free`` relies on, checked without any effect.
@@ -43,6 +57,8 @@ class SGLangReleaseSink:
                 than the plan's, no ``mark_kv_released``, no ``prefix_indices``), the ranges are not
                 ascending, disjoint and inside the row, or ``protected_size_`` would go negative.
         """
+        if self._sglang_frees:
+            return
         req = plan.req
         rid = getattr(req, "rid", None)
         kv = getattr(req, "kv", None)
@@ -71,6 +87,8 @@ class SGLangReleaseSink:
 
     def free(self, plan) -> None:
         """Release the request as SGLang does: slots (one call), row, kv record, protected count."""
+        if self._sglang_frees:
+            return
         req = plan.req
         self.tree_cache.free_kv_row(req.kv, list(plan.ranges))
         self.req_to_token_pool.free(req)
