@@ -4,7 +4,7 @@ the rest of its prompt computed, and (standing in for the prefill node) its prom
 Admission reserves a request's worst-case pages (prompt + output + speculative slots) and waits
 while rows or pages are short, so the allocator never runs dry mid-decode. Before computing a
 prompt it looks up the prompt's leading full pages with the stack's ``PrefixLoader``; a lookup the
-storage tier cannot answer (``StorageError``: down, hung past its deadline, breaker open) is a miss,
+storage tier cannot answer (down, hung past the loader's deadline, behind an open breaker, or a loader that raises ``StorageError``) is a miss,
 counted in ``prefix_lookups_failed``, never an error of the run.
 """
 

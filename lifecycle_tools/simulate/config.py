@@ -73,6 +73,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("reuse", True, k.flag_, "never look up stored prefixes", STORAGE, "--no-reuse", "store_false"),
     Option("warm", False, k.flag_, "serve the workload a second time: it hits the store", STORAGE,
            action="store_true"),
+    Option("require_checksum", False, k.flag_, "strict storage: a stored page without a seal (written by "
+           "another tool) is a miss", STORAGE, action="store_true"),
     Option("verify", "128", k.verify, "stored pages read back and compared: N (a sample), all or none",
            STORAGE),
     Option("prefill_budget", 2048, k.integer(1), "prompt tokens computed per step at most", cli=None),

@@ -3,15 +3,20 @@
 The KV of position ``p`` is ``transfer.synthetic_kv(pool, kv_id[p], p)`` where ``kv_id[p]`` is the
 rolling digest of the tokens up to ``p`` (``workload.kv_ids``): a pure function of the prefix, so
 pages shared by two requests hold the same bytes and any page's expected content can be recomputed.
+
+``SyntheticKV.values`` computes exactly those bytes (a test holds it to ``transfer.synthetic_kv``),
+faster: the per-(kind, layer, byte) part of the hash is computed once per pool, and the rest in
+32-bit integers, since only bits 13..20 of the 32-bit hash reach the output byte. Work is done in
+batches of ``WRITE_BATCH`` tokens so the temporaries stay a few MiB.
 """
 
 from __future__ import annotations
 
 import torch
 
-from transfer import synthetic_kv
-
-WRITE_BATCH = 1024   # tokens per write while prefilling (bounds the temporary tensors)
+WRITE_BATCH = 256    # tokens per computed batch (bounds the temporary tensors)
+_MASK = 0xFFFFFFFF
+_MUL = 2_654_435_761 - (1 << 32)   # the pattern's multiplier as a wrapping int32
 
 
 def page_first(values: torch.Tensor, n_pages: int, page_size: int) -> torch.Tensor:
@@ -33,10 +38,22 @@ class SyntheticKV:
 
     def __init__(self, kv_pool, rows, page_size: int) -> None:
         self.kv, self.rows, self.ps = kv_pool, rows, page_size
+        nbytes = kv_pool.heads * kv_pool.head_dim * torch.empty((), dtype=kv_pool.dtype).element_size()
+        kind = torch.arange(kv_pool.kinds, dtype=torch.int64).view(-1, 1, 1, 1)
+        layer = torch.arange(kv_pool.layers, dtype=torch.int64).view(1, -1, 1, 1)
+        off = torch.arange(nbytes, dtype=torch.int64).view(1, 1, 1, -1)
+        base = (kind * 104_729 + layer * 1_299_709 + off * 31) & _MASK
+        self._base = _wrap32(base)
 
     def values(self, kvids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """KV of the positions (``kvids`` their digests), shaped for ``KVPool.write``."""
-        return synthetic_kv(self.kv, kvids.view(1, 1, -1, 1), positions)
+        """KV of the positions (``kvids`` their digests), shaped for ``KVPool.write``: the bytes
+        ``transfer.synthetic_kv(pool, kvids, positions)`` gives."""
+        pool, n = self.kv, positions.numel()
+        tok = _wrap32((kvids.to(torch.int64) * 1_000_003 + positions.to(torch.int64) * 7_919) & _MASK)
+        x = (tok.view(1, 1, n, 1) + self._base).mul_(_MUL)
+        raw = x.bitwise_right_shift_(13).bitwise_and_(0xFF).to(torch.uint8)
+        shape = (pool.kinds, pool.layers, n, pool.heads, pool.head_dim)
+        return raw.view(pool.dtype).view(shape)
 
     def write_rows(self, row: int, kvids: torch.Tensor, lo: int, hi: int) -> None:
         """Compute and write the KV of positions ``[lo, hi)`` of ``row``."""
@@ -52,15 +69,27 @@ class SyntheticKV:
     def page_bytes(self, kvids: torch.Tensor, first_pos: int, n_pages: int) -> torch.Tensor:
         """Expected bytes ``[n_pages, page_nbytes]`` of the pages starting at ``first_pos``
         (``kvids`` indexed by position)."""
-        n = n_pages * self.ps
-        vals = self.values(kvids[first_pos:first_pos + n], torch.arange(first_pos, first_pos + n))
-        return page_first(vals, n_pages, self.ps)
+        step = max(1, WRITE_BATCH // self.ps)
+        parts = []
+        for p in range(0, n_pages, step):
+            m, a = min(step, n_pages - p), first_pos + p * self.ps
+            vals = self.values(kvids[a:a + m * self.ps], torch.arange(a, a + m * self.ps))
+            parts.append(page_first(vals, m, self.ps))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def mismatched_pages(self, slots: torch.Tensor, kvids: torch.Tensor, n_pages: int) -> int:
-        """How many of the first ``n_pages`` pages held in ``slots`` differ from their expected KV."""
-        n = n_pages * self.ps
-        got = self.kv.read(slots).view(torch.uint8)
-        want = self.values(kvids[:n], torch.arange(n)).view(torch.uint8)
-        k, layers = got.shape[0], got.shape[1]
-        same = (got == want).view(k, layers, n_pages, -1).all(-1).all(0).all(0)
-        return int((~same).sum())
+        """How many of the first ``n_pages`` pages held in ``slots`` (their positions ``0 ..``)
+        differ from their expected KV."""
+        step, bad = max(1, WRITE_BATCH // self.ps), 0
+        for p in range(0, n_pages, step):
+            m, a = min(step, n_pages - p), p * self.ps
+            got = self.kv.read(slots[a:a + m * self.ps]).view(torch.uint8)
+            want = self.values(kvids[a:a + m * self.ps], torch.arange(a, a + m * self.ps)).view(torch.uint8)
+            k, layers = got.shape[0], got.shape[1]
+            bad += int((~(got == want).view(k, layers, m, -1).all(-1).all(0).all(0)).sum())
+        return bad
+
+
+def _wrap32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values in 0 .. 2**32 - 1 as the int32 with the same low 32 bits."""
+    return (x - ((x >> 31) << 32)).to(torch.int32)

@@ -161,7 +161,7 @@ ROWS = (
     ("host pool short (chunk deferred)", lambda p: f"{p.host_short}"),
     ("prefix pages found / looked up", lambda p: f"{p.prefix_pages_hit}/{p.prefix_pages_looked_up} "
                                                  f"({100 * p.prefix_hit_rate:.1f}%)"),
-    ("prefix lookups failed (storage down)", lambda p: f"{p.prefix_lookups_failed} of {p.prefix_lookups}"),
+    ("prefix lookups missed: tier down, slow or breaker open", lambda p: f"{p.prefix_lookups_failed} of {p.prefix_lookups}"),
     ("bytes loaded from storage", lambda p: _mib(p.prefix_bytes_loaded)),
     ("loaded pages bit-exact / loaded", lambda p: f"{p.prefix_pages_verified - p.prefix_mismatches}/{p.prefix_pages_verified}"),
     ("manager calls per step p50/p99 (1)", lambda p: f"{p.overhead_us_p50:.0f} / {p.overhead_us_p99:.0f} us"),

@@ -88,7 +88,8 @@ class Simulator:
         self.enqueue_timer.reset()
         self._rng.seed(self.cfg.seed * 7919 + 17)
         ps = PassState(rep, iter(chats), total, PageSample(self.cfg.verify, self.cfg.seed, self.ps))
-        ps.before = (self.mgr.stats(), self.stack.offloader.stats(), self.stack.storage.stats())
+        ps.before = (self.mgr.stats(), self.stack.offloader.stats(), self.stack.storage.stats(),
+                     self.stack.prefix_loader.stats())
         t0 = time.perf_counter()
         while ps.done < total:
             interrupt.check()

@@ -63,7 +63,7 @@ class PassState:
     prefill: int = 0                         # prompt tokens computed this step
     done: int = 0
     step: int = 0
-    before: tuple = ()                       # (manager, offloader, storage) stats at the start
+    before: tuple = ()                       # (manager, offloader, storage, prefix) stats at the start
     _seq: Iterator[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:

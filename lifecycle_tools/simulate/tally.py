@@ -11,8 +11,8 @@ from lifecycle_tools.stats import percentile
 def tally_pass(rep: PassReport, ps: PassState, mgr, stack, enqueue: EnqueueTimer) -> None:
     """Fill ``rep``'s offload, storage, rate and timing figures (``ps.before`` holds the counters
     taken when the pass began)."""
-    mgr0, off0, sto0 = ps.before
-    s, off, sto = mgr.stats(), stack.offloader.stats(), stack.storage.stats()
+    mgr0, off0, sto0, pre0 = ps.before
+    s, off, sto, pre = mgr.stats(), stack.offloader.stats(), stack.storage.stats(), stack.prefix_loader.stats()
     rep.chunks_offloaded = s.chunks_enqueued - mgr0.chunks_enqueued
     rep.chunks_landed = s.chunks_landed - mgr0.chunks_landed
     rep.chunks_failed = (s.copy_failures - mgr0.copy_failures) + (s.copies_expired - mgr0.copies_expired)
@@ -27,6 +27,7 @@ def tally_pass(rep: PassReport, ps: PassState, mgr, stack, enqueue: EnqueueTimer
     rep.pages_stored = off.pages_stored - off0.pages_stored
     rep.storage_pages_written = sto.stored - sto0.stored
     rep.storage_pages_skipped = sto.skipped - sto0.skipped
+    rep.prefix_lookups_failed += sum(getattr(pre, f) - getattr(pre0, f) for f in ("failed", "timed_out", "skipped"))
     rep.prefix_hit_rate = rep.prefix_pages_hit / rep.prefix_pages_looked_up if rep.prefix_pages_looked_up else 0.0
     rep.overhead_us_p50 = percentile(ps.overhead_us, 50)
     rep.overhead_us_p99 = percentile(ps.overhead_us, 99)
