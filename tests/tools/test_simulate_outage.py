@@ -1,0 +1,98 @@
+"""Issue 12: a storage outage during ``simulate`` is never a crash. A real redis-server is killed, or
+hung with SIGSTOP, while a run is serving; the run finishes with its report and exits 0 (its own
+data checks still hold), counting the misses. Ctrl-C stops a run within a second with exit 130."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lifecycle_tools.testkit.redis_server import require_server, start_server
+
+RUN = ["--requests", "60", "--turns", "2", "--prompt-len", "16-64", "--output-len", "24-64", "--layers", "1",
+       "--heads", "1", "--head-dim", "8", "--page-size", "4", "--device-tokens", "2048", "--host-tokens", "512",
+       "--rows", "6", "--arrival-rate", "0.2", "--seed", "7", "--verify", "16", "--no-progress"]
+
+
+def start_simulate(tmp_path, *flags):
+    out = tmp_path / "r.json"
+    proc = subprocess.Popen([sys.executable, "-m", "lifecycle_tools", "simulate", *RUN, *flags, "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, out
+
+
+def wait_running(proc, seconds=2.5):
+    """Let the run import torch, build the stack and serve for a while."""
+    time.sleep(seconds)
+    assert proc.poll() is None, proc.communicate()
+
+
+def finish(proc, out, timeout=120):
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert "Traceback" not in stderr, stderr
+    return proc.returncode, stdout, stderr, (json.loads(out.read_text()) if out.exists() else None)
+
+
+@pytest.fixture
+def server():
+    srv = start_server(require_server())
+    yield srv
+    if srv.proc is not None:
+        try:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    srv.close()
+
+
+def check_outage_report(rc, stdout, report):
+    assert rc == 0, stdout
+    assert "OK:" in stdout and "requests per second" in stdout
+    (p,) = report["passes"]
+    assert p["slots_leaked"] == p["rows_leaked"] == p["host_pages_leaked"] == 0
+    assert p["double_frees"] == p["lifecycle_errors"] == 0 and p["verify_mismatched"] == 0
+    assert p["finished"] + p["aborted"] == p["requests"] == 60
+
+
+def test_server_killed_mid_run(server, tmp_path):
+    proc, out = start_simulate(tmp_path, "--storage", server.url)
+    wait_running(proc)
+    server.proc.kill()
+    rc, stdout, stderr, report = finish(proc, out)
+    check_outage_report(rc, stdout, report)
+    p = report["passes"][0]
+    assert p["prefix_lookups_failed"] > 0 or p["storage_failures"] > 0, p
+
+
+def test_server_hung_mid_run(server, tmp_path):
+    proc, out = start_simulate(tmp_path, "--storage", server.url)
+    wait_running(proc)
+    os.kill(server.proc.pid, signal.SIGSTOP)          # hung: connections stay open, nothing answers
+    try:
+        time.sleep(4)
+        assert proc.poll() is None or proc.returncode == 0
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)      # and it comes back
+    rc, stdout, stderr, report = finish(proc, out)
+    check_outage_report(rc, stdout, report)
+
+
+@pytest.mark.parametrize("presses", [1, 3])
+def test_ctrl_c_stops_within_a_second_with_130(presses, tmp_path):
+    proc, out = start_simulate(tmp_path, "--store", str(tmp_path / "s"), "--requests", "100000",
+                               "--arrival-rate", "0")
+    wait_running(proc, 4)
+    t0 = time.monotonic()
+    for _ in range(presses):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert proc.returncode == 130, (stdout, stderr)
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
+    assert "interrupted" in stderr
+    assert took < 1.5, took          # a bound on the stop path, not a speed measurement
