@@ -1,17 +1,23 @@
-"""RedisStorage batch set/get vs plain redis-py over loopback, same bytes, same server, same run.
+"""RedisStorage batch set/get vs a plain redis-py pipeline of the same bytes, same server, same run.
 
 Starts its own ``redis-server`` (free port on 127.0.0.1, no persistence) and stops it at the end.
-For each page size, the same pages are written and read back three ways:
-  * ``loop``:  a plain redis-py ``SET`` / ``GET`` per page (one round trip each), raw bytes;
-  * ``pipe``:  plain redis-py, one pipeline of ``SET`` / ``GET`` per batch, raw bytes;
-  * ``store``: ``RedisStorage.batch_set`` / ``batch_get`` per batch (header + crc32 per page,
-    ``SET NX``, verified on read and copied into the caller's page buffers).
-Each round uses fresh keys on an emptied server; best of ``ROUNDS`` rounds is reported.
-Run: .venv/bin/python bench/bench_redis.py
+For each page size, the same pages are written and read back two ways, interleaved (the order
+alternates each repetition), ``--reps`` times, and the median of each is printed side by side:
+  * ``pipe``:  plain redis-py (default client: hiredis parser when installed), one
+    non-transactional pipeline of ``SET`` / ``GET`` per batch of ``BATCH`` pages, the pages'
+    raw bytes prepared beforehand (``bytes`` objects: no tensor, no header, no check);
+  * ``store``: ``RedisStorage.batch_set`` / ``batch_get`` per batch from/into page tensors
+    (104-byte seal per page with its XXH3-128 digest, ``SET NX``; on read the seal is verified
+    and the body copied into the caller's page tensor).
+Every repetition uses fresh keys on an emptied server. ``--sweep`` also times ``batch_set`` /
+``batch_get`` for several ``pipeline_bytes`` settings (how the default was chosen).
+Run: .venv/bin/python bench/bench_redis.py [--reps N] [--sweep]
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,9 +31,8 @@ import redis  # noqa: E402
 from lifecycle_tools.testkit.redis_server import server_binary, start_server  # noqa: E402
 from transfer.storage.redis import RedisStorage  # noqa: E402
 
-TOTAL = 64 << 20  # bytes moved per page size per direction per round
+TOTAL = 32 << 20  # page bytes moved per page size per direction per repetition
 BATCH = 32  # pages per batch call (a 512-token chunk at page size 16)
-ROUNDS = 3
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20]
 
 
@@ -37,84 +42,99 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def run_size(url: str, nbytes: int, rnd: int) -> dict[str, tuple[float, float]]:
+def keys_for(tag: str, n: int) -> list[str]:
+    return [f"{hash((tag, i)) & (2**256 - 1):064x}" for i in range(n)]
+
+
+def one_rep(url: str, nbytes: int, rep: int, pipeline_bytes: int | None = None) -> dict[str, tuple[float, float]]:
+    """(set seconds, get seconds) for ``pipe`` and ``store`` on the same pages."""
     n = TOTAL // nbytes
-    g = torch.Generator().manual_seed(nbytes + rnd)
+    g = torch.Generator().manual_seed(nbytes + rep)
     pages = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(n)]
     raw = [p.numpy().tobytes() for p in pages]
     out = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(n)]
     batches = [range(i, min(i + BATCH, n)) for i in range(0, n, BATCH)]
     client = redis.Redis.from_url(url, socket_timeout=30)
-    store = RedisStorage(url, "_bench", nbytes, socket_timeout_s=30)
-    res = {}
-
-    def keys(tag):
-        return [f"{tag}{rnd}:{i}" for i in range(n)]
-
-    client.flushall()
-    k = keys("loop")
-    t_set = timed(lambda: [client.set(k[i], raw[i]) for i in range(n)])
-    t_get = timed(lambda: [client.get(k[i]) for i in range(n)])
-    res["loop"] = (t_set, t_get)
-
-    client.flushall()
-    k = keys("pipe")
+    kw = {} if pipeline_bytes is None else {"pipeline_bytes": pipeline_bytes}
+    store = RedisStorage(url, "_bench", nbytes, socket_timeout_s=30, **kw)
+    pk, sk = keys_for(f"pipe{rep}", n), keys_for(f"store{rep}", n)
 
     def pipe_set():
         for b in batches:
             p = client.pipeline(transaction=False)
             for i in b:
-                p.set(k[i], raw[i])
+                p.set(pk[i], raw[i])
             p.execute()
 
     def pipe_get():
         for b in batches:
             p = client.pipeline(transaction=False)
             for i in b:
-                p.get(k[i])
+                p.get(pk[i])
             p.execute()
-    res["pipe"] = (timed(pipe_set), timed(pipe_get))
-
-    client.flushall()
-    k = keys("store")
 
     def store_set():
         for b in batches:
-            assert all(store.batch_set([k[i] for i in b], [pages[i] for i in b]))
+            assert all(store.batch_set([sk[i] for i in b], [pages[i] for i in b]))
 
     def store_get():
         for b in batches:
-            assert all(store.batch_get([k[i] for i in b], [out[i] for i in b]))
-    res["store"] = (timed(store_set), timed(store_get))
+            assert all(store.batch_get([sk[i] for i in b], [out[i] for i in b]))
+
+    client.flushall()
+    res: dict[str, list[float]] = {"pipe": [0.0, 0.0], "store": [0.0, 0.0]}
+    order = [("pipe", pipe_set, pipe_get), ("store", store_set, store_get)]
+    if rep % 2:
+        order.reverse()
+    for name, fset, _ in order:
+        res[name][0] = timed(fset)
+    for name, _, fget in order:
+        res[name][1] = timed(fget)
     assert all(torch.equal(a, b) for a, b in zip(pages[:4], out[:4]))
     client.flushall()
     client.close()
     store.close()
-    return res
+    return {k: (v[0], v[1]) for k, v in res.items()}
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also time several pipeline_bytes settings")
+    args = ap.parse_args()
     binary = server_binary()
     if binary is None:
         sys.exit("redis-server not found (apt-get install redis-server)")
     server = start_server(binary)
+    try:
+        import hiredis
+        parser = f"hiredis {hiredis.__version__}"
+    except ImportError:
+        parser = "pure-Python parser (no hiredis)"
     version = redis.Redis.from_url(server.url).info("server")["redis_version"]
-    print(f"redis-server {version} on {server.url}; redis-py {redis.__version__}; torch {torch.__version__}")
-    print(f"{TOTAL >> 20} MiB per size per direction, batches of {BATCH} pages, best of {ROUNDS}")
-    print("| page | method | set pages/s | set GB/s | get pages/s | get GB/s |")
-    print("|---|---|---|---|---|---|")
+    print(f"redis-server {version} on {server.url}; redis-py {redis.__version__} with {parser}; "
+          f"torch {torch.__version__}")
+    print(f"{TOTAL >> 20} MiB per size per direction, batches of {BATCH} pages, median of {args.reps} "
+          f"interleaved repetitions (GB/s = 1e9 page bytes/s)")
+    print("| page | pipe set GB/s | store set GB/s | set ratio | pipe get GB/s | store get GB/s | get ratio |")
+    print("|---|---|---|---|---|---|---|")
     try:
         for nbytes in SIZES:
-            best: dict[str, list[float]] = {}
-            for rnd in range(ROUNDS):
-                for name, (ts, tg) in run_size(server.url, nbytes, rnd).items():
-                    b = best.setdefault(name, [float("inf"), float("inf")])
-                    b[0], b[1] = min(b[0], ts), min(b[1], tg)
-            n = TOTAL // nbytes
-            for name in ("loop", "pipe", "store"):
-                ts, tg = best[name]
-                print(f"| {nbytes >> 10} KiB | {name} | {n / ts:,.0f} | {TOTAL / ts / 1e9:.2f} | "
-                      f"{n / tg:,.0f} | {TOTAL / tg / 1e9:.2f} |")
+            runs = [one_rep(server.url, nbytes, rep) for rep in range(args.reps)]
+            med = {m: [statistics.median(r[m][d] for r in runs) for d in (0, 1)] for m in ("pipe", "store")}
+            (ps, pg), (ss, sg) = med["pipe"], med["store"]
+            gb = TOTAL / 1e9
+            print(f"| {nbytes >> 10} KiB | {gb / ps:.2f} | {gb / ss:.2f} | {ps / ss:.2f} | "
+                  f"{gb / pg:.2f} | {gb / sg:.2f} | {pg / sg:.2f} |")
+        if args.sweep:
+            print("\npipeline_bytes sweep (store only, median set/get GB/s)")
+            print("| page | pipeline_bytes | set GB/s | get GB/s |")
+            print("|---|---|---|---|")
+            for nbytes in (64 << 10, 1 << 20):
+                for pb in (1 << 20, 4 << 20, 8 << 20, 32 << 20):
+                    runs = [one_rep(server.url, nbytes, rep, pb)["store"] for rep in range(args.reps)]
+                    s, g = (statistics.median(r[d] for r in runs) for d in (0, 1))
+                    print(f"| {nbytes >> 10} KiB | {pb >> 20} MiB | {TOTAL / s / 1e9:.2f} | {TOTAL / g / 1e9:.2f} |")
     finally:
         server.close()
 

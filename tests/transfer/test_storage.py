@@ -59,11 +59,11 @@ def fail_writes(s, monkeypatch, calls):
         return
     import redis  # the redis backend: the server refuses the pipelined batch (as under maxmemory)
 
-    def refuse(pipe):
-        calls.append(pipe)
+    def refuse(payload, n):
+        calls.append(payload)
         return [redis.exceptions.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
-                for _ in pipe.command_stack]
-    monkeypatch.setattr(s, "_execute", refuse)
+                for _ in range(n)]
+    monkeypatch.setattr(s, "_write_wire", refuse)
 
 
 def page(i):

@@ -22,7 +22,7 @@ import torch
 
 from transfer.errors import PageSizeMismatch
 from transfer.storage.integrity import (
-    PageFormat, Verdict, check_keys, check_suffix, seal, verify,
+    PageFormat, Verdict, check_keys, check_suffix, raw_format, seal, verify,
 )
 from transfer.storage.lru import LruIndex
 
@@ -236,7 +236,7 @@ class IndexedStorage(Storage):
         check_batch(keys, pages, self.page_nbytes)
 
     def _format(self, page: torch.Tensor) -> PageFormat:
-        return self.page_format if self.page_format is not None else PageFormat.raw(page)
+        return self.page_format if self.page_format is not None else raw_format(page)
 
     def _count(self, field: str, n: int = 1) -> None:
         with self._lock:

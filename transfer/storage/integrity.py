@@ -54,6 +54,7 @@ _KEY_RE = re.compile(r"[0-9a-f]{64}\Z")
 MAGIC = b"KVLP"
 SEAL_VERSION = 2
 MAX_DIMS = 8
+_MAGIC_VERSION = MAGIC + bytes([SEAL_VERSION])
 _SEAL = struct.Struct("<4sBB2xQ16sQ16s16s8I")
 SEAL_NBYTES = _SEAL.size  # 104
 _NAME_MAX = 255 - len(".bin") - 1 - len(".0123456789abcdef0123456789abcdef.tmp")  # room for the temp name
@@ -125,8 +126,38 @@ class PageFormat(msgspec.Struct, frozen=True):
 
     def descriptor(self, name: str, nbytes: int) -> bytes:
         """The bytes hashed in front of the page: binds the digest to the name and the format."""
-        dims = "x".join(str(d) for d in self.shape)
-        return f"kvlp2\0{name}\0{self.layout}\0{self.dtype}\0{dims}\0{nbytes}".encode()
+        return b"kvlp2\0" + name.encode() + _packed(self)[1] + b"%d" % nbytes
+
+
+_PACKED: dict[PageFormat, tuple[bytes, bytes]] = {}
+
+
+def _packed(fmt: PageFormat) -> tuple[bytes, bytes]:
+    """(the seal's format fields ``ndim u8 | layout | dtype | shape``, the descriptor's middle)."""
+    got = _PACKED.get(fmt)
+    if got is None:
+        dims = list(fmt.shape) + [0] * (MAX_DIMS - len(fmt.shape))
+        fields = struct.pack("<B", len(fmt.shape)) + struct.pack("<16s16s8I", fmt.layout.encode(),
+                                                                  fmt.dtype.encode(), *dims)
+        middle = f"\0{fmt.layout}\0{fmt.dtype}\0{'x'.join(str(d) for d in fmt.shape)}\0".encode()
+        got = (fields, middle)
+        if len(_PACKED) < 256:
+            _PACKED[fmt] = got
+    return got
+
+
+_RAW: dict[tuple, PageFormat] = {}
+
+
+def raw_format(page: torch.Tensor) -> PageFormat:
+    """``PageFormat.raw(page)``, cached per (dtype, shape)."""
+    key = (page.dtype, page.shape)
+    fmt = _RAW.get(key)
+    if fmt is None:
+        fmt = PageFormat.raw(page)
+        if len(_RAW) < 256:
+            _RAW[key] = fmt
+    return fmt
 
 
 class Verdict(str, enum.Enum):
@@ -154,9 +185,9 @@ def name_fingerprint(name: str) -> int:
 def seal(name: str, fmt: PageFormat, data) -> bytes:
     """The ``SEAL_NBYTES`` seal of page ``data`` stored under ``name`` with format ``fmt``."""
     view = memoryview(data).cast("B")
-    dims = list(fmt.shape) + [0] * (MAX_DIMS - len(fmt.shape))
-    return _SEAL.pack(MAGIC, SEAL_VERSION, len(fmt.shape), view.nbytes, page_digest(name, fmt, view),
-                      name_fingerprint(name), fmt.layout.encode(), fmt.dtype.encode(), *dims)
+    fields = _packed(fmt)[0]
+    return b"".join((_MAGIC_VERSION, fields[:1], b"\0\0", view.nbytes.to_bytes(8, "little"),
+                     page_digest(name, fmt, view), name_fingerprint(name).to_bytes(8, "little"), fields[1:]))
 
 
 class Seal(msgspec.Struct, frozen=True):
@@ -197,7 +228,14 @@ def check_seal(sealed: Seal | None, name: str, fmt: PageFormat, nbytes: int) -> 
 def verify(seal_bytes, name: str, fmt: PageFormat, data) -> Verdict:
     """Whether ``data`` is exactly the page ``name`` of format ``fmt`` that ``seal_bytes`` sealed."""
     view = memoryview(data).cast("B")
-    sealed = decode_seal(seal_bytes)
+    head = bytes(seal_bytes[:SEAL_NBYTES])
+    # fast path: compare the seal's raw fields with what this page must have
+    if (len(head) == SEAL_NBYTES and head[:5] == _MAGIC_VERSION and head[6:8] == b"\0\0"
+            and int.from_bytes(head[8:16], "little") == view.nbytes
+            and int.from_bytes(head[32:40], "little") == name_fingerprint(name)
+            and head[5:6] + head[40:] == _packed(fmt)[0]):
+        return Verdict.OK if page_digest(name, fmt, view) == head[16:32] else Verdict.CORRUPT
+    sealed = decode_seal(head)  # slow path: say why
     verdict = check_seal(sealed, name, fmt, view.nbytes)
     if verdict is Verdict.OK and page_digest(name, fmt, view) != sealed.digest:
         return Verdict.CORRUPT

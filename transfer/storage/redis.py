@@ -3,9 +3,9 @@
 Key: ``{key_prefix}{page_hash}{suffix}`` (the file store's naming without ``.bin``; the suffix comes
 from ``hashing.storage_suffix``, so ranks and models never collide). Value: the page's 104-byte
 seal (``transfer.storage.integrity``: magic, version, size, XXH3-128 digest over name + format +
-bytes, name fingerprint, layout, dtype, shape) followed by the page's raw bytes. The value is
-built in one preallocated buffer per page (one copy from the tensor) and handed to the socket
-without further copies.
+bytes, name fingerprint, layout, dtype, shape) followed by the page's raw bytes. A batch's
+``SET`` commands are packed into one reusable buffer (each page copied once, from its tensor) and
+sent with one ``sendall`` (``redis_wire``); replies are parsed by hiredis.
 
 A page and its seal are one value written by one ``SET ... NX`` (atomic on the server), so a
 reader sees either no page or the whole page with its seal. ``NX`` gives the other backends'
@@ -41,11 +41,10 @@ from collections.abc import Sequence
 from urllib.parse import parse_qs, urlsplit
 
 import msgspec
-import numpy as np
 import redis
 import torch
 from redis.backoff import NoBackoff
-from redis.connection import Encoder, PythonRespSerializer
+from redis.connection import HIREDIS_AVAILABLE, Encoder, HiredisRespSerializer, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -56,13 +55,16 @@ from transfer.log import get_logger
 from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import (
-    SEAL_NBYTES, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, seal, verify,
+    MAGIC, SEAL_NBYTES, SEAL_VERSION, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, raw_format, seal,
+    verify,
 )
 from transfer.storage.lru import LruIndex
+from transfer.storage.redis_wire import SetBatch, send_and_read
 
 log = get_logger(__name__)
 
 HEADER_NBYTES = SEAL_NBYTES  # the seal in front of every value (104 bytes)
+_MAGIC_VERSION = MAGIC + bytes([SEAL_VERSION])
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 _DB = re.compile(r"\d+\Z")
 
@@ -112,10 +114,25 @@ def check_url(url: str) -> None:
             raise StorageConfigError(f"bad redis URL {redact(url)!r}: database {db!r} is not a number")
 
 
+class _ValuePacker:
+    """redis-py command packer: a command carrying a page (a memoryview) is packed by redis-py's
+    Python packer, which hands the page to the socket as it is (hiredis's packer would copy it
+    twice); every other command by hiredis's C packer when installed. Replies are parsed by
+    hiredis either way."""
+
+    def __init__(self) -> None:
+        self._py = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        self._c = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._py
+
+    def pack(self, *args):
+        for arg in args:
+            if type(arg) is memoryview:
+                return self._py.pack(*args)
+        return self._c.pack(*args)
+
+
 def _client_from_url(url: str, connect_timeout_s: float, socket_timeout_s: float) -> redis.Redis:
-    # The pure-Python command packer hands large values (memoryviews) to the socket as they are;
-    # hiredis's packer would copy every page twice. Replies are still parsed by hiredis (C).
-    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    packer = _ValuePacker()
     return redis.Redis.from_url(
         url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
         retry=Retry(NoBackoff(), 1), retry_on_error=[], health_check_interval=0, command_packer=packer)
@@ -183,6 +200,7 @@ class RedisStorage(Storage):
         self._index = LruIndex(capacity_bytes, capacity_pages)
         self._lock = threading.Lock()
         self._stats = RedisStorageStats()
+        self._sets = SetBatch()  # per-thread reusable buffer of packed SET commands
         if check:
             self.ping()
 
@@ -206,14 +224,28 @@ class RedisStorage(Storage):
 
     def _run(self, build, what: str) -> list:
         """Build and run one pipeline behind the breaker; unreachable raises ``StorageUnavailable``."""
+        def go():
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe)
+            try:
+                return self._execute(pipe)
+            finally:
+                pipe.reset()
+        return self._guarded(go, what)
+
+    def _write_wire(self, payload: memoryview, n: int) -> list:
+        """Send ``n`` packed ``SET`` commands; per command its reply or the server's error."""
+        return send_and_read(self._client, payload, n)
+
+    def _guarded(self, call, what: str) -> list:
+        """Run ``call`` (a round trip) behind the breaker: refused at once while it is open;
+        unreachable (also as a reply) reports a failure and raises ``StorageUnavailable``."""
         if not self.breaker.allow():
             self._count("unavailable")
             raise StorageUnavailable(f"redis storage at {self.url} is unavailable ({what}): circuit open, "
                                      f"next probe in {self.breaker.retry_in():.1f}s")
-        pipe = self._client.pipeline(transaction=False)
-        build(pipe)
         try:
-            replies = self._execute(pipe)
+            replies = call()
             bad = next((r for r in replies if isinstance(r, _UNREACHABLE)), None)
             if bad is not None:
                 raise bad
@@ -223,8 +255,6 @@ class RedisStorage(Storage):
             self.breaker.failure(err)
             log.warning("redis_storage.unavailable", op=what, url=self.url, error=_reason(err))
             raise StorageUnavailable(f"redis storage at {self.url} is unreachable ({what}): {_reason(err)}") from err
-        finally:
-            pipe.reset()
         self.breaker.success()
         return replies
 
@@ -253,16 +283,7 @@ class RedisStorage(Storage):
         self._count("evictions", len(names))
 
     def _format(self, page: torch.Tensor) -> PageFormat:
-        return self.page_format if self.page_format is not None else PageFormat.raw(page)
-
-    def _value(self, name: str, page: torch.Tensor) -> memoryview:
-        """Seal + page bytes in one new buffer: one copy of the page."""
-        raw = _raw(page)
-        buf = bytearray(SEAL_NBYTES + raw.nbytes)
-        view = memoryview(buf)
-        view[SEAL_NBYTES:] = raw
-        view[:SEAL_NBYTES] = seal(name, self._format(page), raw)
-        return view
+        return self.page_format if self.page_format is not None else raw_format(page)
 
     # -- Storage ------------------------------------------------------------------------------
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
@@ -274,13 +295,12 @@ class RedisStorage(Storage):
         sizes = [p.numel() * p.element_size() for p in pages]
         for run in self._batches(n, sizes):
             names = [self._name(keys[i]) for i in run]
-            values = [self._value(keys[i] + self.suffix, pages[i]) for i in run]
-
-            def build(pipe, names=names, values=values):
-                for name, value in zip(names, values):
-                    pipe.set(name, value, nx=True, px=self.ttl_ms)
-
-            replies = self._run(build, "set")
+            self._sets.start([x.encode() for x in names], [SEAL_NBYTES + sizes[i] for i in run], self.ttl_ms)
+            values = []
+            for j, i in enumerate(run):  # one copy of each page, next to its seal, in one buffer
+                raw = _raw(pages[i])
+                values.append(self._sets.add(j, seal(keys[i] + self.suffix, self._format(pages[i]), raw), raw))
+            replies = self._guarded(lambda: self._write_wire(self._sets.payload(), len(names)), "set")
             skipped = [j for j, r in enumerate(replies) if r is None]
             if skipped:  # NX kept an older value: is it our page? if not, overwrite it
                 self._repair([names[j] for j in skipped], [values[j] for j in skipped],
@@ -379,11 +399,11 @@ class RedisStorage(Storage):
 
     def _verify_into(self, name: str, value: bytes, into: torch.Tensor, corrupt: list[str]) -> bool:
         body = memoryview(value)[SEAL_NBYTES:]
-        dst = into.reshape(-1).view(torch.uint8)
-        sealed = decode_seal(value)
-        if sealed is None or sealed.nbytes != len(body):  # not a page, or a torn/truncated one
+        dst = _raw(into)
+        sealed_nbytes = int.from_bytes(value[8:16], "little") if value[:5] == _MAGIC_VERSION else -1
+        if sealed_nbytes != len(body):  # not a page, or a torn/truncated one
             verdict = Verdict.CORRUPT
-        elif sealed.nbytes != dst.numel():
+        elif sealed_nbytes != dst.nbytes:
             verdict = Verdict.WRONG_SIZE
         else:
             verdict = verify(value[:SEAL_NBYTES], name[len(self.key_prefix):], self._format(into), body)
@@ -393,7 +413,7 @@ class RedisStorage(Storage):
                 corrupt.append(name)
             log.error("redis_storage.page_refused", name=name, verdict=verdict.value, size=len(value))
             return False
-        dst.numpy()[:] = np.frombuffer(body, dtype=np.uint8)  # one copy, into the caller's buffer
+        dst[:] = body  # one copy, into the caller's buffer
         return True
 
     def batch_exists(self, keys: Sequence[str]) -> int:
