@@ -143,9 +143,10 @@ class MooncakeMaster(_Process):
 
 
 class SegmentHolder(_Process):
-    """A standalone ``mooncake_client`` contributing ``segment`` bytes to a master's store."""
+    """A standalone ``mooncake_client`` contributing ``segment`` bytes to a master's store (bytes:
+    the binary reads "64MiB" as 0)."""
 
-    def __init__(self, root: Path, master: MooncakeMaster, segment: str = "64MiB") -> None:
+    def __init__(self, root: Path, master: MooncakeMaster, segment: int = 64 << 20) -> None:
         self.binary, self.master, self.segment = root / "mooncake_client", master, segment
         self.port = free_port()
 
@@ -205,7 +206,7 @@ def make_mooncake():
         procs.append(m)
         return m
 
-    def holder(of: MooncakeMaster, segment: str = "64MiB") -> SegmentHolder:
+    def holder(of: MooncakeMaster, segment: int = 64 << 20) -> SegmentHolder:
         h = SegmentHolder(root, of, segment).start()
         procs.append(h)
         return h

@@ -56,22 +56,47 @@ def sglang_keys(page_hash: str, model: str, tp_rank: int, mla: bool, pp_rank: in
     return [f"{key}_{mha_suffix}_k", f"{key}_{mha_suffix}_v"]
 
 
-@pytest.fixture
-def raw(mooncake_master):
+@pytest.fixture(scope="module")
+def module_master(mooncake_session_master):
+    require_mooncake()
+    return mooncake_session_master
+
+
+@pytest.fixture(scope="module")
+def raw(module_master):
     """A raw Mooncake client on the same master (SGLang's side), contributing no segment."""
     store_cls, _ = import_store()  # quiet C++ logging, as for our own clients
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     client = store_cls()
-    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", mooncake_master.address) == 0
+    assert client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 0, "tcp", "", module_master.address) == 0
     yield client
     client.close()
 
 
-@pytest.fixture
-def store(mooncake_master):
-    s = open_storage(mooncake_master.spec(), "_org-tiny_1_2", NB, page_format=MHA)
+@pytest.fixture(scope="module")
+def shared_store(module_master):
+    s = open_storage(module_master.spec(), "_org-tiny_1_2", NB, page_format=MHA)
     yield s
     s.close()
+
+
+class Counted:
+    """The module's store, with ``stats()`` counted from the start of the test."""
+
+    def __init__(self, store):
+        self._store, self._base = store, store.stats()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def stats(self):
+        now, base = self._store.stats(), self._base
+        return type(now)(**{f: getattr(now, f) - getattr(base, f) for f in now.__struct_fields__})
+
+
+@pytest.fixture
+def store(shared_store):
+    return Counted(shared_store)
 
 
 # --- naming ---------------------------------------------------------------------------------------

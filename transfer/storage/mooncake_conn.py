@@ -14,6 +14,7 @@ finishes after its caller gave up closes its own client, so nothing leaks.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import socket
@@ -176,7 +177,8 @@ def _convert(name: str, value: str):
 
 def import_store():
     """``(MooncakeDistributedStore, ReplicateConfig)``; StorageUnavailable naming the extra when missing."""
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # read when the C++ library loads
+    for name, value in PROCESS_DEFAULTS.items():  # read when the C++ library loads / sets up
+        os.environ.setdefault(name, value)
     try:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
     except ImportError as err:  # the package, or a shared library (libibverbs) it needs
@@ -193,10 +195,15 @@ def probe(host: str, port: int, timeout_s: float) -> str | None:
         return err.strerror or type(err).__name__
 
 
+# Mooncake's process-wide settings (environment, read by its C++ client), set only when unset:
+# errors-only C++ logging; master RPCs (metadata only, no page bytes) time out after 2 s instead of
+# 30 s; one setup attempt instead of ~20. Mooncake's setup and close hold the GIL, so these bound
+# how long a master that accepts connections but never answers can freeze the process (~2 s).
+PROCESS_DEFAULTS = {"MC_LOG_LEVEL": "ERROR", "MC_RPC_TIMEOUT_MS": "2000", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+
+
 def _quiet_env(settings: MooncakeSettings) -> None:
-    """Defaults for Mooncake's process-wide environment, read at setup (never overrides a set one):
-    errors-only C++ logging, few setup retries, and loopback binding for a loopback client."""
-    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "2")
+    """A loopback client also binds its TCP transport to loopback (unless MC_TCP_BIND_ADDRESS is set)."""
     if settings.hostname.startswith("127."):
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", settings.hostname)
 
@@ -220,6 +227,15 @@ def close_quietly(store) -> None:
         store.close()
     except Exception as err:  # noqa: BLE001 - a failing close of a dead client changes nothing
         log.debug("mooncake.close_failed", error=str(err))
+
+
+def park(store, master: str) -> None:
+    """Keep ``store`` alive for the life of the process without closing it: with its master
+    gone, Mooncake's close (and destructor) would hold the GIL for ~17 s. One extra reference
+    that is never dropped means it is not destroyed at exit either (the OS reclaims it)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(store))
+    log.warning("mooncake.client_parked", master=master,
+                detail="master unreachable at close; the client is left open until the process exits")
 
 
 def connect(settings: MooncakeSettings):

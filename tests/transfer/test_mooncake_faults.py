@@ -1,0 +1,191 @@
+"""Mooncake faults against real processes: the master killed and restarted empty, a master that is
+not there (or never answers) at setup, a segment holder holding the only replica killed — each a
+bounded-time miss, nothing leaked, writes resume after recovery."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from lifecycle import State
+from lifecycle_tools.testkit.mooncake_server import make_mooncake, require_mooncake  # noqa: F401 (fixture)
+from tests.support.decode_driver import DIM, HEADS, LAYERS, MAX_LEN, PS, ROWS, Scheduler
+from tests.transfer.test_mooncake_storage import MHA, NB, fresh_hashes, pages
+from transfer import build_stack, open_storage
+from transfer.errors import StorageUnavailable
+from transfer.storage.breaker import BreakerState
+
+
+def wait_for(cond, timeout: float, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(step)
+    return cond()
+
+
+def stored(store, keys, pages_) -> bool:
+    """Whether one write of the batch stored every page (an unreachable tier is a False)."""
+    try:
+        return store.batch_set(keys, pages_) == [True] * len(keys)
+    except StorageUnavailable:
+        return False
+
+
+def timed(fn):
+    t = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - t
+
+
+def test_master_killed_then_restarted_empty(make_mooncake):
+    master = make_mooncake()
+    s = open_storage(master.spec(), "_m_0_1", NB, page_format=MHA)
+    try:
+        old, new = fresh_hashes(2), fresh_hashes(2)
+        pool = pages(4)
+        assert s.batch_set(old, [pool[0], pool[1]]) == [True, True]
+        master.kill()
+        # the scheduler-thread call: always bounded, a miss
+        for _ in range(6):
+            n, took = timed(lambda: s.batch_exists(old))
+            assert n == 0 and took < 0.5
+        assert s.breaker.state is not BreakerState.CLOSED and s.stats().unavailable >= 1
+        # worker-thread calls: misses / a typed error, within Mooncake's own RPC bound
+        got, took = timed(lambda: s.batch_get(old, [pool[2].clone(), pool[3].clone()]))
+        assert got == [False, False] and took < 6.0
+        with pytest.raises(StorageUnavailable):
+            s.batch_set(new, [pool[2], pool[3]])
+        master.start()  # same port, empty
+        assert wait_for(lambda: stored(s, new, [pool[2], pool[3]]), 20.0, 0.25)
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(2)]
+        assert s.batch_get(new, out) == [True, True] and torch.equal(out[1], pool[3])
+        assert s.batch_exists(old) == 0  # what it held before is gone
+        assert s.breaker.state is BreakerState.CLOSED and s.breaker.stats().outages >= 1
+    finally:
+        s.close()
+
+
+def test_master_absent_at_setup_lazy_connects_later(make_mooncake):
+    require_mooncake()
+    from lifecycle_tools.testkit.mooncake_server import MooncakeMaster, mooncake_dir
+
+    master = MooncakeMaster(mooncake_dir())  # ports chosen, not started
+    s, took = timed(lambda: open_storage(master.spec(lazy=1), "_m_0_1", NB, page_format=MHA))
+    try:
+        assert took < 1.0 and not s.connected
+        h = fresh_hashes(1)
+        page = pages(1)[0]
+        assert timed(lambda: s.batch_exists(h))[1] < 0.1 and s.batch_exists(h) == 0
+        assert s.batch_get(h, [page.clone()]) == [False]
+        with pytest.raises(StorageUnavailable):
+            s.batch_set(h, [page])
+        master.start()
+        try:
+            assert wait_for(lambda: s.connected, 15.0)
+            assert s.batch_set(h, [page]) == [True] and s.batch_exists(h) == 1
+        finally:
+            s.close(wait=True)
+            master.stop()
+    finally:
+        s.close()
+
+
+def test_setup_against_a_silent_port_is_bounded():
+    require_mooncake()
+    with socket.socket() as listener:  # accepts connections, never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        t = time.monotonic()
+        with pytest.raises(StorageUnavailable, match="setup"):
+            open_storage(f"mooncake://127.0.0.1:{port}?setup_timeout_s=1", "_m_0_1", NB)
+        assert time.monotonic() - t < 5.0  # Mooncake's setup holds the GIL: bounded by its RPC timeout
+
+
+def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_mooncake):
+    master = make_mooncake(client_ttl_s=2)
+    h1, h2 = make_mooncake.holder(master), make_mooncake.holder(master)
+    one = open_storage(master.spec(global_segment_size=0), "_m_0_1", NB, page_format=MHA)  # objects on holders
+    two = open_storage(master.spec(global_segment_size=0, replica_num=2), "_m_1_2", NB, page_format=MHA)
+    try:
+        n = 8
+        keys1, keys2 = fresh_hashes(n), fresh_hashes(n)
+        pool = pages(n)
+        assert wait_for(lambda: stored(one, keys1, list(pool)), 10.0)
+        assert two.batch_set(keys2, list(pool)) == [True] * n
+        h1.kill()
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(n)]
+        for s, keys in ((one, keys1), (two, keys2)):  # while the master still lists h1: bounded misses
+            got, took = timed(lambda: s.batch_get(keys, out))
+            assert took < 6.0  # a worker-thread call (GIL released): the transfer's connect to a dead peer
+            assert all(torch.equal(o, p) for o, p, ok in zip(out, pool, got) if ok)
+            assert all(not o.any() for o, ok in zip(out, got) if not ok)
+        # once the master drops h1 (client_ttl 2 s): two replicas -> every page, bit-exact
+        assert wait_for(lambda: two.batch_get(keys2, out) == [True] * n, 10.0, 0.5)
+        assert all(torch.equal(o, p) for o, p in zip(out, pool))
+        # one replica: the pages with an object on h1 are gone (random placement: 16 objects on 2 holders)
+        got = one.batch_get(keys1, out)
+        assert 0 < got.count(False) < n and one.batch_exists(keys1) < n
+        assert all(torch.equal(o, p) for o, p, ok in zip(out, pool, got) if ok)
+        assert one.stats().holder_gone >= 1  # counted while the master still listed h1
+        # and rewritable
+        assert stored(one, keys1, list(pool)) and one.batch_get(keys1, out) == [True] * n
+        h2.kill()
+    finally:
+        one.close()
+        two.close()
+
+
+def test_decode_survives_master_outage_and_recovers(make_mooncake):
+    master = make_mooncake()
+    stack = build_stack(LAYERS, HEADS, DIM, torch.bfloat16, PS, 256, 128, ROWS, MAX_LEN,
+                        storage=master.spec(), model_name="org/tiny")
+    alloc0, host0, rows0 = (stack.allocator.available_size(), stack.host_pool.available_size(),
+                            stack.req_to_token_pool.available_size())
+    sch = Scheduler(stack)
+    off = stack.offloader
+    try:
+        a = sch.admit(1, list(range(100, 110)), 7)
+        for t in range(6):
+            sch.step(50 + t)
+        master.kill()
+        b, took = timed(lambda: sch.admit(2, list(range(100, 110)), 7))  # a prefix lookup: bounded
+        assert took < 1.0
+        for t in range(8):
+            sch.step(60 + t)
+        sch.finish(a)
+        sch.finish(b)
+        sch.settle()
+        st = off.stats()
+        assert st.storage_ok + st.storage_failed == st.storage_ops
+        assert stack.allocator.available_size() == alloc0 and stack.host_pool.available_size() == host0
+        assert stack.req_to_token_pool.available_size() == rows0
+        assert all(sch.mgr.state_of(r) is State.RELEASED for r in (a, b)) and sch.mgr.stats().leaked == 0
+        sch.mgr.check_integrity()
+
+        master.start()  # empty; writes resume once the breaker lets a probe through
+        probe = torch.zeros(stack.host_pool.page_nbytes, dtype=torch.uint8)
+        assert wait_for(lambda: stored(stack.storage, fresh_hashes(1), [probe]), 20.0, 0.25)
+        failed_before = off.stats().storage_failed
+        d = sch.admit(4, list(range(400, 406)), 7)
+        for t in range(10):
+            sch.step(80 + t)
+        sch.finish(d)
+        sch.settle()
+        assert off.stats().storage_failed == failed_before
+        expected = sch.kv_pages(d)
+        hashes = [h for h, _ in expected]
+        assert len(hashes) >= 3 and stack.storage.batch_exists(hashes) == len(hashes)
+        bufs = [torch.empty(stack.host_pool.page_nbytes, dtype=torch.uint8) for _ in hashes]
+        assert stack.storage.batch_get(hashes, bufs) == [True] * len(hashes)
+        assert all(torch.equal(buf, want) for buf, (_, want) in zip(bufs, expected))
+        assert stack.allocator.available_size() == alloc0 and stack.host_pool.available_size() == host0
+    finally:
+        sch.mgr.shutdown(force=True)
+        stack.close()
