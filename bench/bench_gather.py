@@ -2,12 +2,16 @@
 
 Both sides read memory that is cold in cache: the gather reads a rotating random set of device
 pages from a large pool; the baseline copies a rotating slice of an equally large contiguous
-buffer into the same destination. On CUDA (when present) the baseline is a pinned D2H copy_.
-Run: .venv/bin/python bench/bench_gather.py
+buffer into the same destination. Ours and the baseline alternate (interleaved), medians
+reported. On CUDA (when present) the baseline is a pinned D2H copy_.
+
+Run: .venv/bin/python bench/bench_gather.py [--repeats N]
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -16,27 +20,33 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from transfer import HostPool, KVPool
-from transfer.gather import ChunkCopy
+from bench.perfkit import Row, machine, print_rows  # noqa: E402
+from transfer import HostPool, KVPool  # noqa: E402
+from transfer.gather import ChunkCopy  # noqa: E402
 
 LAYERS, HEADS, DIM, DTYPE = 32, 8, 128, torch.bfloat16
 CHUNK_TOKENS = 256
 POOL_TOKENS = 4096
 ROUNDS = 16
+TARGET = 0.90
 
 
-def timeit(fn, reps, sync=lambda: None):
-    for i in range(3):
-        fn(i)
-    sync()
-    t = time.perf_counter()
-    for i in range(reps):
-        fn(i % ROUNDS)
-    sync()
-    return (time.perf_counter() - t) / reps
+def _median_pair(ours, base, repeats: int, sync) -> tuple[float, float]:
+    """Median seconds of ``ours(i)`` and ``base(i)`` run alternately, after 3 warm-up pairs."""
+    t_ours, t_base = [], []
+    for i in range(3 + repeats):
+        for fn, acc in ((ours, t_ours), (base, t_base)):
+            sync()
+            t0 = time.perf_counter()
+            fn(i % ROUNDS)
+            sync()
+            if i >= 3:
+                acc.append(time.perf_counter() - t0)
+    return statistics.median(t_ours), statistics.median(t_base)
 
 
-def run(device: str, page_size: int) -> tuple[float, float]:
+def run(device: str, page_size: int, repeats: int) -> tuple[float, float]:
+    """(gather GB/s, contiguous copy GB/s) for one page size."""
     kv = KVPool(LAYERS, HEADS, DIM, DTYPE, POOL_TOKENS, device=device)
     kv.buffer.fill_(1.0)
     host = HostPool(LAYERS, HEADS, DIM, DTYPE, page_size, CHUNK_TOKENS)
@@ -52,22 +62,31 @@ def run(device: str, page_size: int) -> tuple[float, float]:
     src = torch.ones((ROUNDS, host.buffer.numel()), dtype=DTYPE, device=device)
     dst = host.buffer.view(-1)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    reps = 40
-    base = timeit(lambda i: dst.copy_(src[i], non_blocking=True), reps, sync)
-    gather = timeit(lambda i: plans[i].to_host(), reps, sync)
-    return nbytes / base / 1e9, nbytes / gather / 1e9
+    ours, base = _median_pair(lambda i: plans[i].to_host(),
+                              lambda i: dst.copy_(src[i], non_blocking=True), repeats, sync)
+    return nbytes / ours / 1e9, nbytes / base / 1e9
+
+
+def rows(repeats: int = 40) -> list[Row]:
+    """One row per (device, page size): gather GB/s vs contiguous copy_ GB/s."""
+    out = []
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+        for ps in (16, 32, 64):
+            ours, base = run(device, ps, repeats)
+            ratio = ours / base
+            out.append(Row(f"{device} gather to host pages, page {ps}", ours, base, "GB/s", ratio,
+                           f">= {TARGET}", ratio >= TARGET))
+    return out
 
 
 def main() -> None:
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-    print(f"chunk = {CHUNK_TOKENS} tokens x {LAYERS} layers x K,V x {HEADS}x{DIM} {DTYPE}; "
-          f"torch threads = {torch.get_num_threads()}")
-    print(f"{'device':6} {'page':>4} {'contig copy_ GB/s':>18} {'gather GB/s':>12} {'ratio':>6}")
-    for device in devices:
-        for ps in (16, 32, 64):
-            base, gather = run(device, ps)
-            print(f"{device:6} {ps:>4} {base:>18.2f} {gather:>12.2f} {gather / base:>6.2f}")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=40)
+    args = ap.parse_args()
+    print(machine())
+    print(f"chunk = {CHUNK_TOKENS} tokens x {LAYERS} layers x K,V x {HEADS}x{DIM} {DTYPE} "
+          f"({CHUNK_TOKENS * LAYERS * 2 * HEADS * DIM * 2 / 1e6:.1f} MB); median of {args.repeats} interleaved runs")
+    print_rows("chunk gather vs contiguous copy_", rows(args.repeats))
 
 
 if __name__ == "__main__":

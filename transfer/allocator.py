@@ -62,8 +62,8 @@ class PagedTokenAllocator:
             NotAllocated: a page never allocated (the padding page included).
             DoubleFree: a page already free. On any error nothing changes.
         """
-        idx = as_index_tensor(indices)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.total_slots):
+        idx = as_index_tensor(indices).numpy()
+        if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= self.total_slots):
             raise BadIndices(f"slot indices must lie in 0..{self.total_slots - 1}")
         return self._pages.free(idx // self.page_size)
 

@@ -8,6 +8,7 @@ of submission order, each exactly once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,27 +41,36 @@ class CpuCopyEngine:
         self._worker.submit(tag, fn)
 
     def to_host(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
-        """Enqueue device ``slots`` -> host ``host_pages`` (same page count)."""
-        plan = ChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, plan.to_host)
+        """Enqueue device ``slots`` -> host ``host_pages`` (same page count, whole aligned pages).
+
+        The plan is built and run on the worker: the caller's thread only queues the job.
+        """
+        self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages).to_host())
 
     def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
-        """Enqueue host ``host_pages`` -> device ``slots``."""
-        plan = ChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, plan.to_device)
+        """Enqueue host ``host_pages`` -> device ``slots`` (planned and run on the worker)."""
+        self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages).to_device())
 
     def poll(self) -> list[Done]:
         """Copies finished since the last call (``Done.error`` set if one raised). Never blocks."""
         return self._worker.poll()
 
+    def unfinished(self) -> list:
+        """Tags of copies queued or still running. Never blocks."""
+        return self._worker.unfinished()
+
     def alive(self) -> bool:
         """Whether a copy thread is still running (after a ``close`` that timed out)."""
         return self._worker.alive()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Finish queued copies and stop the threads, waiting at most ``timeout`` s per thread
-        (None: until they end). A copy cannot be cancelled: a stuck thread is left running."""
-        self._worker.close(timeout)
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish queued copies and stop the threads, waiting at most ``timeout`` s in all
+        (None: until they end). A copy cannot be cancelled: a stuck thread is left running.
+
+        Returns:
+            True when every copy thread has ended.
+        """
+        return self._worker.close(timeout)
 
 
 class CudaCopyEngine:
@@ -127,10 +137,32 @@ class CudaCopyEngine:
         self._inflight = still
         return [Done(tag, error=error) for tag, _, _, error in done]
 
-    def close(self) -> None:
-        """Wait for in-flight copies (shutdown only) and refuse new ones."""
+    def unfinished(self) -> list:
+        """Tags of copies whose event has not fired yet. Never synchronizes."""
+        return [tag for tag, event, _, _ in self._inflight if not event.query()]
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new copies and wait for in-flight ones, at most ``timeout`` s (None: until the
+        copy stream drains). The wait polls the copies' events (a hung copy is left in flight,
+        never synchronized on when a timeout is given); they stay reported by ``poll``.
+
+        Returns:
+            True when every copy has finished.
+        Raises:
+            ValueError: ``timeout`` negative.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
         self._closed = True
-        self.stream.synchronize()
+        if timeout is None:
+            self.stream.synchronize()
+            return True
+        deadline = time.monotonic() + timeout
+        while self.unfinished():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 CopyEngine = CpuCopyEngine | CudaCopyEngine

@@ -6,12 +6,17 @@ wide, reinterpreted as the widest integer type that divides a row (dtype-agnosti
 * CUDA: one device ``index_select`` (a flat row index in host order ``(page, kind, token, layer)``)
   into a staging buffer, then one async D2H copy per run of consecutive host pages (and the
   reverse for loads): one gather launch per chunk.
-* CPU: one strided ``copy_`` per run of pages consecutive on both sides (the device pages' rows,
-  permuted ``(kind, layer, token) -> (page, kind, token, layer)``). On CPU this beats a row gather:
-  each copy moves whole ``page_size``-row blocks instead of looking up every row.
+* CPU, device -> host: one ``index_select`` of whole device pages (``[kind, layer, page, token]``
+  blocks) per run of consecutive host pages, written straight into the host pages through a
+  permuted view: one op per chunk when its host pages are consecutive (the host pool hands out
+  lowest ids first). Host -> device: one strided ``copy_`` per run of pages consecutive on both
+  sides.
+* The word views of a (device pool, host pool) pair are built once and reused (``pair_views``).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -47,81 +52,109 @@ def host_order_rows(kv: KVPool, slots: torch.Tensor, page_size: int) -> torch.Te
     return (plane + slots.view(-1, 1, page_size, 1)).reshape(-1)
 
 
-def page_runs(pages: torch.Tensor) -> list[tuple[int, int, int]]:
+def page_runs(pages: torch.Tensor | list[int]) -> list[tuple[int, int, int]]:
     """Split page ids into runs of consecutive ids: ``(position in pages, first page, length)``."""
-    n = pages.numel()
-    if n == 0:
-        return []
-    cuts = ((pages[1:] - pages[:-1]) != 1).nonzero().view(-1).add(1).tolist()
-    starts, ends = [0, *cuts], [*cuts, n]
-    first = pages[starts].tolist()
-    return [(s, f, e - s) for s, f, e in zip(starts, first, ends)]
+    ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
+    runs: list[tuple[int, int, int]] = []
+    pos = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((pos, ids[pos], i - pos))
+            pos = i
+    return runs
+
+
+class _Views:
+    """Word views of one (device pool, host pool) pair, built once and reused by every plan."""
+
+    def __init__(self, kv: KVPool, host: HostPool) -> None:
+        self.word = row_word(kv.row_bytes, kv.buffer, host.buffer)
+        self.dev_rows = word_rows(kv.buffer, kv.row_bytes, self.word)
+        self.host_rows = word_rows(host.buffer, host.row_bytes, self.word)
+        ps, w = host.page_size, self.dev_rows.shape[1]
+        planes = self.dev_rows.view(kv.kinds, kv.layers, kv.slots, w)
+        whole = kv.slots // ps * ps
+        #: device pages ``[kind, layer, page, token, word]`` (slots past the last whole page unused)
+        self.dev_pages = planes[:, :, :whole].view(kv.kinds, kv.layers, whole // ps, ps, w)
+        #: host pages ``[page, kind, token, layer, word]``
+        self.host_blocks = self.host_rows.view(host.num_pages, kv.kinds, ps, kv.layers, w)
+
+
+_VIEWS: "weakref.WeakKeyDictionary[KVPool, weakref.WeakKeyDictionary[HostPool, _Views]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def pair_views(kv: KVPool, host: HostPool) -> _Views:
+    """The cached word views of ``kv`` and ``host`` (built on first use; dropped with the pools)."""
+    per_kv = _VIEWS.get(kv)
+    if per_kv is None:
+        per_kv = _VIEWS.setdefault(kv, weakref.WeakKeyDictionary())
+    views = per_kv.get(host)
+    if views is None:
+        views = per_kv.setdefault(host, _Views(kv, host))
+    return views
 
 
 class ChunkCopy:
-    """A planned copy between ``slots`` (device) and ``host_pages`` (host), same page count.
+    """A planned copy between ``slots`` (device, whole page-aligned pages) and ``host_pages``
+    (host), same page count.
 
-    Holds the index tensors it uses, so they stay alive until the copy is done.
+    Construction is cheap (it runs on the scheduler thread): it keeps the index tensors and the
+    pools' cached views. On CPU the page ids and runs are worked out by ``to_host`` /
+    ``to_device`` (on the copy worker); on CUDA the device row index is built here, and the plan
+    holds every tensor it launched with until the caller drops it after the copy's event.
     """
 
     def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor):
         self.kv, self.host = kv, host
+        self.slots, self.host_pages = slots, host_pages
+        self.views = pair_views(kv, host)
         self.rows_per_page = kv.kinds * host.page_size * kv.layers
-        self.index = (host_order_rows(kv, slots, host.page_size).to(kv.device, non_blocking=True)
-                      if kv.device.type == "cuda" else None)
-        self.runs = page_runs(host_pages)
-        word = row_word(kv.row_bytes, kv.buffer, host.buffer)
-        self.dev_rows = word_rows(kv.buffer, kv.row_bytes, word)
-        self.host_rows = word_rows(host.buffer, host.row_bytes, word)
         self.staging: torch.Tensor | None = None
-        if kv.device.type != "cuda":
-            ps = host.page_size
-            self.dev_blocks = self.dev_rows.view(kv.kinds, kv.layers, kv.slots, -1)
-            self.host_blocks = self.host_rows.view(host.num_pages, kv.kinds, ps, kv.layers, -1)
-            self.block_runs = _block_runs(slots.view(-1, ps)[:, 0].tolist(), host_pages.tolist(), ps)
+        self.cuda = kv.device.type == "cuda"
+        if self.cuda:
+            self.index = host_order_rows(kv, slots, host.page_size).to(kv.device, non_blocking=True)
+            self.runs = page_runs(host_pages)
 
     def _run_slices(self):
         rpp = self.rows_per_page
         for pos, first, length in self.runs:
             yield slice(pos * rpp, (pos + length) * rpp), slice(first * rpp, (first + length) * rpp)
 
+    def _dev_page_ids(self) -> torch.Tensor:
+        ps = self.host.page_size
+        return self.slots.to(dtype=torch.int64)[::ps] // ps
+
     def to_host(self) -> None:
-        """Device -> host. On CUDA: one device gather, then async D2H per run (current stream)."""
-        if self.kv.device.type == "cuda":
-            self.staging = self.dev_rows.index_select(0, self.index)
+        """Device -> host. CPU: one ``index_select`` of whole device pages per run of consecutive
+        host pages (usually one per chunk), written straight into the host pages through a
+        permuted view. CUDA: one device gather, then async D2H per run (current stream)."""
+        v = self.views
+        if self.cuda:
+            self.staging = v.dev_rows.index_select(0, self.index)
             for src, dst in self._run_slices():
-                self.host_rows[dst].copy_(self.staging[src], non_blocking=True)
+                v.host_rows[dst].copy_(self.staging[src], non_blocking=True)
             return
-        for dev, host, n in self.block_runs:
-            self.host_blocks[host:host + n].copy_(self._dev_block(dev, n))
+        dev = self._dev_page_ids()
+        for pos, first, n in page_runs(self.host_pages):
+            out = v.host_blocks[first:first + n].permute(1, 3, 0, 2, 4)
+            torch.index_select(v.dev_pages, 2, dev[pos:pos + n], out=out)
 
     def to_device(self) -> None:
-        """Host -> device. On CUDA: async H2D per run into staging, then one device scatter."""
-        if self.kv.device.type == "cuda":
+        """Host -> device. CPU: one strided copy per run of pages consecutive on both sides.
+        CUDA: async H2D per run into staging, then one device scatter."""
+        v = self.views
+        if self.cuda:
             self.staging = torch.empty(
-                (self.index.numel(), self.dev_rows.shape[1]), dtype=self.dev_rows.dtype, device=self.kv.device
+                (self.index.numel(), v.dev_rows.shape[1]), dtype=v.dev_rows.dtype, device=self.kv.device
             )
             for src, dst in self._run_slices():
-                self.staging[src].copy_(self.host_rows[dst], non_blocking=True)
-            self.dev_rows.index_copy_(0, self.index, self.staging)
+                self.staging[src].copy_(v.host_rows[dst], non_blocking=True)
+            v.dev_rows.index_copy_(0, self.index, self.staging)
             return
-        for dev, host, n in self.block_runs:
-            self._dev_block(dev, n).copy_(self.host_blocks[host:host + n])
-
-    def _dev_block(self, first_slot: int, n_pages: int) -> torch.Tensor:
-        """``n_pages`` device pages from ``first_slot`` as ``[page, kind, token, layer, word]``."""
-        k, layers, _, w = self.dev_blocks.shape
-        ps = self.host.page_size
-        block = self.dev_blocks[:, :, first_slot:first_slot + n_pages * ps]
-        return block.reshape(k, layers, n_pages, ps, w).permute(2, 0, 3, 1, 4)
-
-
-def _block_runs(dev_starts: list[int], host_pages: list[int], page_size: int) -> list[tuple[int, int, int]]:
-    """Group page pairs into runs consecutive on both sides: ``(first device slot, first host page, n)``."""
-    runs: list[list[int]] = []
-    for dev, host in zip(dev_starts, host_pages):
-        if runs and dev == runs[-1][0] + runs[-1][2] * page_size and host == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([dev, host, 1])
-    return [tuple(r) for r in runs]
+        dev, host = self._dev_page_ids().tolist(), self.host_pages.tolist()
+        for pos, first, n in page_runs(host):
+            for d_pos, d_first, d_n in page_runs(dev[pos:pos + n]):
+                h = first + d_pos
+                v.dev_pages[:, :, d_first:d_first + d_n].copy_(
+                    v.host_blocks[h:h + d_n].permute(1, 3, 0, 2, 4))

@@ -12,6 +12,16 @@ Copy faults. A copy that raises is still reported once by ``finished_writes`` an
 running that long after submission is *expired*: listed once by ``expired_writes`` and poisoned, but
 its device slots may still be read until ``finished_writes`` reports it (a copy cannot be
 cancelled, on a worker thread or on a CUDA stream), so the caller keeps them until then.
+
+Scheduler-thread cost. ``write`` and the polls are on the decode loop's critical path: page
+bookkeeping is plain Python sets and numpy (no small torch ops), index validation is a few numpy
+calls on a zero-copy view, and the copy plan is built on the copy worker. Host-pool backpressure
+is counted (``writes_rejected``) and logged at most once per ``backpressure_log_interval_s``.
+
+Shutdown. ``close(timeout=...)`` waits at most ``timeout`` seconds (default
+``DEFAULT_CLOSE_TIMEOUT_S``) and returns a ``CloseReport``: a stuck copy is abandoned, never
+waited on forever, and the report names its ack, the device slots it may still read and the host
+pages it may still write (both stay quarantined).
 """
 
 from __future__ import annotations
@@ -21,16 +31,18 @@ import time
 from collections.abc import Callable, Sequence
 
 import msgspec
-from transfer.log import get_logger
+import numpy as np
 import torch
 
-from transfer.copy_engine import CopyEngine, CpuCopyEngine, make_copy_engine
+from transfer.copy_engine import CopyEngine, make_copy_engine
 from transfer.errors import (
     BadIndices, Closed, HostPagesBusy, NotAllocated, StorageError, TransferError, UnknownId,
 )
 from transfer.host_pool import HostPool
-from transfer.indices import pages_of_aligned
+from transfer.indices import as_index_tensor, page_ids, slots_of_pages
 from transfer.kv_pool import KVPool
+from transfer.log import get_logger
+from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
 from transfer.storage.base import Storage
 from transfer.worker import BackgroundWorker
 
@@ -38,7 +50,10 @@ log = get_logger(__name__)
 
 
 class OffloaderStats(msgspec.Struct):
-    """Counters since construction; ``host_free_pages`` and ``in_flight_*`` are current values."""
+    """Counters since construction; ``host_free_pages`` and ``in_flight_*`` are current values.
+
+    ``writes_rejected`` counts writes refused for want of host pages (backpressure).
+    """
 
     writes: int = 0
     writes_rejected: int = 0
@@ -73,9 +88,12 @@ class HostOffloader:
         storage_threads: storage worker threads.
         write_timeout_s: a copy not finished this many seconds after ``write`` submitted it is
             reported by ``expired_writes`` (None: never).
-        clock: monotonic seconds, for the deadline (tests inject a fake one).
+        clock: monotonic seconds, for deadlines and log intervals (tests inject a fake one).
+        backpressure_log_interval_s: at most one ``offloader.host_exhausted`` warning per this
+            many seconds, carrying the count of writes rejected since the previous one.
     Raises:
-        ValueError: pools of different shape or dtype, or ``write_timeout_s <= 0``.
+        ValueError: pools of different shape or dtype, ``write_timeout_s <= 0`` or a negative
+            log interval.
     """
 
     def __init__(
@@ -88,26 +106,32 @@ class HostOffloader:
         storage_threads: int = 1,
         write_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        backpressure_log_interval_s: float = 10.0,
     ) -> None:
         check_compatible(kv_pool, host_pool)
         if write_timeout_s is not None and not write_timeout_s > 0:
             raise ValueError(f"write_timeout_s must be > 0 or None, got {write_timeout_s}")
+        if not backpressure_log_interval_s >= 0:
+            raise ValueError(f"backpressure_log_interval_s must be >= 0, got {backpressure_log_interval_s}")
         self.write_timeout_s, self._clock = write_timeout_s, clock
         self.kv, self.host, self.storage = kv_pool, host_pool, storage
         self.page_size = host_pool.page_size
         self.engine = copy_engine if copy_engine is not None else make_copy_engine(kv_pool.device)
         self._storage_worker = BackgroundWorker("kv-storage", storage_threads)
-        self._writes: dict[int, torch.Tensor] = {}
+        self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
         self._expired_acks: set[int] = set()  # expired, copy not yet ended
         self._failed_writes: list[int] = []
-        self._ops: dict[int, torch.Tensor] = {}
+        self._ops: dict[int, list[int]] = {}  # storage op -> host pages
         self._op_ids = itertools.count(1)
         self._failed: list[int] = []
-        self._landing = torch.zeros(host_pool.num_pages, dtype=torch.int32)
-        self._busy = torch.zeros(host_pool.num_pages, dtype=torch.int32)
-        self._poisoned = torch.zeros(host_pool.num_pages, dtype=torch.bool)
+        self._landing: set[int] = set()  # host pages a copy is writing
+        self._busy: dict[int, int] = {}  # host page -> storage ops reading it
+        self._poisoned: set[int] = set()  # host pages holding a failed or expired copy
         self._stats = OffloaderStats()
+        self._bp_interval = backpressure_log_interval_s
+        self._bp_next_log = float("-inf")  # clock time after which a rejection may warn again
+        self._bp_unlogged = 0  # rejections since the last warning
         self._rejected_run = 0  # writes rejected since the last accepted one
         self._closed = False
 
@@ -123,35 +147,43 @@ class HostOffloader:
             raise Closed("offloader is closed")
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
-        pages = pages_of_aligned(device_indices, self.page_size, "device indices")
-        if pages.numel() == 0:
+        slots = as_index_tensor(device_indices, "device indices")
+        n_pages = page_ids(slots, self.page_size, "device indices", self.kv.slots).shape[0]
+        if n_pages == 0:
             raise BadIndices("a write needs at least one page")
-        slots = device_indices.to(device="cpu", dtype=torch.int64)
-        if int(slots.min()) < 0 or int(slots.max()) >= self.kv.slots:
-            raise BadIndices(f"device slots must lie in 0..{self.kv.slots - 1}")
-        host = self.host.alloc(slots.numel())
-        if host is None:
-            self._stats.writes_rejected += 1
-            self._rejected_run += 1
-            if self._rejected_run == 1:  # once per stretch of rejections, not once per poll
-                log.warning("offloader.host_exhausted", ack_id=ack_id, pages=int(pages.numel()),
-                            host_free_pages=self.host.available_size() // self.page_size)
+        pages = self.host.alloc_pages(n_pages)
+        if pages is None:
+            self._rejected(ack_id, n_pages)
             return None
         if self._rejected_run:
             log.info("offloader.host_recovered", rejected=self._rejected_run)
             self._rejected_run = 0
-        host_pages = self.host.pages_of(host)
         try:
-            self.engine.to_host(ack_id, self.kv, self.host, slots, host_pages)
+            self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages))
         except BaseException:
-            self.host.free(host)  # nothing was enqueued: the pages go back, the ack is never reported
+            self.host.free_pages(pages)  # nothing was enqueued: the pages go back, the ack is never reported
             raise
-        self._writes[ack_id] = host_pages
+        host_pages = pages.tolist()
+        self._writes[ack_id] = (host_pages, slots)
         if self.write_timeout_s is not None:
             self._deadlines[ack_id] = self._clock() + self.write_timeout_s
-        self._landing[host_pages] += 1
+        self._landing.update(host_pages)
         self._stats.writes += 1
-        return host
+        return slots_of_pages(pages, self.page_size)
+
+    def _rejected(self, ack_id: int, n_pages: int) -> None:
+        """Count a write refused for want of host pages; warn at most once per interval."""
+        self._stats.writes_rejected += 1
+        self._rejected_run += 1
+        self._bp_unlogged += 1
+        now = self._clock()
+        if now >= self._bp_next_log:
+            log.warning("offloader.host_exhausted", ack_id=ack_id, pages=n_pages,
+                        rejected=self._bp_unlogged, rejected_total=self._stats.writes_rejected,
+                        host_free_pages=self.host.available_size() // self.page_size,
+                        next_warning_after_s=self._bp_interval)
+            self._bp_unlogged = 0
+            self._bp_next_log = now + self._bp_interval
 
     def finished_writes(self) -> list[int]:
         """See ``Offloader.finished_writes``. A copy that raised, or that had expired, is reported
@@ -159,23 +191,27 @@ class HostOffloader:
         fails without writing."""
         out = []
         for done in self.engine.poll():
-            pages = self._writes.pop(done.tag)
-            self._deadlines.pop(done.tag, None)
-            expired = done.tag in self._expired_acks
-            self._expired_acks.discard(done.tag)
-            self._landing[pages] -= 1
-            bad = done.error is not None or expired
-            self._poisoned[pages] = bad
-            if done.error is not None:
-                self._stats.copy_failures += 1
-                log.error("offloader.copy_failed", ack_id=done.tag, expired=expired, error=repr(done.error))
-            elif expired:
-                log.warning("offloader.expired_copy_ended", ack_id=done.tag)
-            if bad:
-                self._failed_writes.append(done.tag)
+            tag = done.tag
+            pages = self._writes.pop(tag)[0]
+            self._landing.difference_update(pages)
+            if self._deadlines:
+                self._deadlines.pop(tag, None)
+            if done.error is not None or tag in self._expired_acks:
+                self._landed_bad(tag, pages, done.error)
             self._stats.writes_landed += 1
-            out.append(done.tag)
+            out.append(tag)
         return out
+
+    def _landed_bad(self, tag: int, pages: list[int], error: BaseException | None) -> None:
+        expired = tag in self._expired_acks
+        self._expired_acks.discard(tag)
+        self._poisoned.update(pages)
+        if error is not None:
+            self._stats.copy_failures += 1
+            log.error("offloader.copy_failed", ack_id=tag, expired=expired, error=repr(error))
+        else:
+            log.warning("offloader.expired_copy_ended", ack_id=tag)
+        self._failed_writes.append(tag)
 
     def failed_writes(self) -> list[int]:
         """Optional extension (see ``transfer.offloader``): ack ids reported by ``finished_writes``
@@ -198,10 +234,11 @@ class HostOffloader:
             if now >= deadline:
                 del self._deadlines[ack]
                 self._expired_acks.add(ack)
-                self._poisoned[self._writes[ack]] = True
+                pages = self._writes[ack][0]
+                self._poisoned.update(pages)
                 self._stats.copy_expired += 1
                 log.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
-                          pages=int(self._writes[ack].numel()))
+                          pages=len(pages))
                 out.append(ack)
         return out
 
@@ -218,8 +255,8 @@ class HostOffloader:
         """
         if self._closed:
             raise Closed("offloader is closed")
-        pages = self.host.pages_of(host_indices)
-        n = pages.numel()
+        pages = self.host.page_ids(host_indices)
+        n = pages.shape[0]
         if len(page_hashes) != n or len(tokens) != n * self.page_size:
             raise BadIndices(
                 f"{n} host pages, {len(page_hashes)} hashes, {len(tokens)} tokens (page size {self.page_size})"
@@ -228,21 +265,25 @@ class HostOffloader:
             raise BadIndices("page hashes must be non-empty strings")
         if n and not self.host.is_held(pages):
             raise NotAllocated("host pages passed to write_storage are not allocated")
-        if n and bool(self._landing[pages].any()):
+        plist = pages.tolist()
+        if not self._landing.isdisjoint(plist):
             raise TransferError("write_storage of host pages whose copy has not landed")
         op = next(self._op_ids)
         keys = list(page_hashes)
-        if n and bool(self._poisoned[pages].any()):
+        if not self._poisoned.isdisjoint(plist):
             log.error("offloader.store_refused", op_id=op, reason="host pages hold a failed or expired copy")
 
             def job() -> list[bool]:
                 raise StorageError("source host pages hold a failed or expired copy")
         else:
-            bufs = [self.host.page_bytes(p) for p in pages.tolist()]
+            bufs = [self.host.page_bytes(p) for p in plist]
+
             def job() -> list[bool]:
                 return self.storage.batch_set(keys, bufs)
-        self._busy.index_add_(0, pages, torch.ones_like(pages, dtype=torch.int32))
-        self._ops[op] = pages
+        busy = self._busy
+        for p in plist:
+            busy[p] = busy.get(p, 0) + 1
+        self._ops[op] = plist
         self._storage_worker.submit(op, job)
         self._stats.storage_ops += 1
         return op
@@ -250,13 +291,19 @@ class HostOffloader:
     def finished_storage(self) -> list[int]:
         """See ``Offloader.finished_storage``; failed ops are also listed by ``failed_storage``."""
         out = []
+        busy = self._busy
         for done in self._storage_worker.poll():
             pages = self._ops.pop(done.tag)
-            self._busy.index_add_(0, pages, torch.full_like(pages, -1, dtype=torch.int32))
+            for p in pages:
+                left = busy[p] - 1
+                if left:
+                    busy[p] = left
+                else:
+                    del busy[p]
             ok = done.error is None and all(done.value)
             if ok:
                 self._stats.storage_ok += 1
-                self._stats.pages_stored += pages.numel()
+                self._stats.pages_stored += len(pages)
             else:
                 self._stats.storage_failed += 1
                 self._failed.append(done.tag)
@@ -277,11 +324,13 @@ class HostOffloader:
             BadIndices: not whole pages of the pool. HostPagesBusy: a copy or storage op still
             uses a page. DoubleFree / NotAllocated: pages not held. On any error nothing changes.
         """
-        pages = self.host.pages_of(host_indices)
-        if pages.numel() and bool((self._busy[pages] > 0).any() or (self._landing[pages] > 0).any()):
+        pages = self.host.page_ids(host_indices)
+        plist = pages.tolist()
+        if not (self._landing.isdisjoint(plist) and self._busy.keys().isdisjoint(plist)):
             raise HostPagesBusy("host pages are still used by an in-flight copy or storage op")
-        self.host.free(host_indices)
-        self._poisoned[pages] = False
+        self.host.free_pages(pages)
+        if self._poisoned:
+            self._poisoned.difference_update(plist)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def idle(self) -> bool:
@@ -295,14 +344,46 @@ class HostOffloader:
         s.host_free_pages = self.host.available_size() // self.page_size
         return s
 
-    def close(self, timeout_s: float | None = None) -> None:
-        """Refuse new work and drain: queued copies and storage ops run to completion (their ids
-        remain pollable). ``timeout_s`` bounds the wait for each worker (a stuck copy thread is
-        left behind, logged ``offloader.close_timed_out``); None waits. Idempotent."""
+    def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT_S) -> CloseReport:
+        """Refuse new work and drain, waiting at most ``timeout`` seconds in all (default
+        ``DEFAULT_CLOSE_TIMEOUT_S``; None waits without bound). Queued copies and storage ops run
+        to completion if they can; their ids stay pollable. Idempotent.
+
+        A copy or storage op still running at the deadline is abandoned (it cannot be
+        cancelled): the report lists it with the device slots it may still read and the host
+        pages it may still write, which stay quarantined, and ``offloader.close_timed_out`` is
+        logged at ERROR.
+
+        Returns:
+            What was left behind (``clean`` when nothing).
+        Raises:
+            ValueError: ``timeout`` negative or not a number.
+        """
+        check_timeout(timeout)
         self._closed = True
-        cpu = isinstance(self.engine, CpuCopyEngine)
-        self.engine.close(timeout_s) if cpu else self.engine.close()  # a CUDA stream is synchronized
-        self._storage_worker.close(timeout_s)
-        if (cpu and self.engine.alive()) or self._storage_worker.alive():
-            log.error("offloader.close_timed_out", in_flight_writes=len(self._writes),
-                      in_flight_storage=len(self._ops))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = lambda: None if deadline is None else max(0.0, deadline - time.monotonic())  # noqa: E731
+        self.engine.close(left())
+        self._storage_worker.close(left())
+        report = self._close_report(timeout)
+        if not report.clean:
+            log.error("offloader.close_timed_out", timeout=timeout, in_flight_writes=len(report.abandoned_writes),
+                      in_flight_storage=len(report.abandoned_storage), abandoned_writes=report.abandoned_writes,
+                      host_pages=report.host_pages, device_slots=len(report.device_slots),
+                      reason=report.reason)
+        return report
+
+    def _close_report(self, timeout: float | None) -> CloseReport:
+        stuck = sorted(t for t in self.engine.unfinished() if t in self._writes)
+        ops = sorted(t for t in self._storage_worker.unfinished() if t in self._ops)
+        if not stuck and not ops:
+            return CloseReport(clean=True, timeout=timeout)
+        host = sorted(p for t in stuck for p in self._writes[t][0])
+        dev = sorted({s for t in stuck for s in self._writes[t][1].tolist()})
+        busy = sorted({p for t in ops for p in self._ops[t]})
+        reason = (f"close timed out after {timeout}s: {len(stuck)} device->host copies and {len(ops)} "
+                  f"storage ops still running (cannot be cancelled); device slots {len(dev)} stay "
+                  f"quarantined (a copy may still read them), host pages {host + busy} are never "
+                  f"returned to the pool")
+        return CloseReport(clean=False, timeout=timeout, abandoned_writes=stuck, device_slots=dev,
+                           host_pages=host, abandoned_storage=ops, reason=reason)

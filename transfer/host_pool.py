@@ -10,11 +10,13 @@ available; pageable (with a warning) when pinning fails.
 
 from __future__ import annotations
 
-from transfer.log import get_logger
+import numpy as np
 import torch
 
+from transfer.log import get_logger
+
 from transfer.errors import BadIndices
-from transfer.indices import pages_of_aligned, slots_of_pages
+from transfer.indices import page_ids, slots_of_pages
 from transfer.page_set import PageSet
 
 log = get_logger(__name__)
@@ -85,20 +87,29 @@ class HostPool:
         pages = self._pages.alloc(-(-n_tokens // self.page_size))
         return None if pages is None else slots_of_pages(pages, self.page_size)
 
-    def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
-        """Page ids of host token ``indices`` (whole, aligned pages within the pool).
+    def alloc_pages(self, n_pages: int) -> np.ndarray | None:
+        """Allocate ``n_pages`` pages. Returns their ids (int64 numpy), or None when short."""
+        return self._pages.alloc(n_pages)
+
+    def page_ids(self, indices: torch.Tensor) -> np.ndarray:
+        """Page ids (int64 numpy) of host token ``indices`` (whole, aligned pages within the pool).
 
         Raises:
             BadIndices: not whole aligned pages, or outside the pool.
         """
-        pages = pages_of_aligned(indices, self.page_size, "host indices")
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
-            raise BadIndices(f"host pages must lie in 0..{self.num_pages - 1}")
-        return pages
+        return page_ids(indices, self.page_size, "host indices", self.size)
 
-    def is_held(self, pages: torch.Tensor) -> bool:
+    def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """``page_ids`` as an int64 tensor.
+
+        Raises:
+            BadIndices: not whole aligned pages, or outside the pool.
+        """
+        return torch.from_numpy(self.page_ids(indices).copy())
+
+    def is_held(self, pages: torch.Tensor | np.ndarray) -> bool:
         """Whether every page id in ``pages`` is allocated."""
-        return self._pages.is_held(pages)
+        return self._pages.is_held(pages.numpy() if isinstance(pages, torch.Tensor) else pages)
 
     def free(self, indices: torch.Tensor) -> int:
         """Free the pages of host token ``indices`` (as returned by ``alloc``).
@@ -109,7 +120,11 @@ class HostPool:
             BadIndices: not whole aligned pages. NotAllocated / DoubleFree: see ``PageSet.free``.
             On any error nothing changes.
         """
-        return self._pages.free(self.pages_of(indices))
+        return self._pages.free(self.page_ids(indices))
+
+    def free_pages(self, pages: np.ndarray) -> int:
+        """Free page ids (as returned by ``alloc_pages``); errors as ``free``, nothing changes."""
+        return self._pages.free(pages)
 
     def page_view(self, page: int) -> torch.Tensor:
         """Page ``page`` as ``[kinds, page_size, layers, heads, head_dim]`` (a view)."""

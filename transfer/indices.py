@@ -1,59 +1,88 @@
-"""Index helpers shared by the pools: validation, token slots <-> pages."""
+"""Index helpers shared by the pools: validation, token slots <-> pages.
+
+Validation of a chunk's indices is on the scheduler thread's hot path, so it runs on a zero-copy
+numpy view of the CPU tensor (a few C calls, no per-slot Python loop, no small torch ops).
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from transfer.errors import BadIndices
 
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
+_NO_PAGES = np.empty(0, dtype=np.int64)
+_NO_PAGES.flags.writeable = False
+
 
 def as_index_tensor(indices: torch.Tensor, what: str = "indices") -> torch.Tensor:
-    """Validate ``indices`` and return them as a 1-D int64 CPU tensor.
+    """Validate ``indices`` and return them as a 1-D int64 CPU tensor (itself when already so).
 
     Raises:
         BadIndices: not a tensor, not an integer dtype, or not 1-D.
     """
     if not isinstance(indices, torch.Tensor):
         raise BadIndices(f"{what} must be a torch.Tensor, got {type(indices).__name__}")
-    if indices.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+    if indices.dtype not in _INT_DTYPES:
         raise BadIndices(f"{what} must have an integer dtype, got {indices.dtype}")
     if indices.dim() != 1:
         raise BadIndices(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
     return indices.to(device="cpu", dtype=torch.int64)
 
 
-def slots_of_pages(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Every token slot of ``pages`` (int64), page by page in order."""
-    offsets = torch.arange(page_size, dtype=torch.int64)
-    return (pages.view(-1, 1) * page_size + offsets).reshape(-1)
+def slots_of_pages(pages: torch.Tensor | np.ndarray, page_size: int) -> torch.Tensor:
+    """Every token slot of ``pages`` (int64 tensor), page by page in order."""
+    p = pages.numpy() if isinstance(pages, torch.Tensor) else pages
+    n = p.shape[0]
+    if n and int(p[-1]) - int(p[0]) == n - 1 and (n < 3 or bool((p[1:] > p[:-1]).all())):
+        first = int(p[0]) * page_size  # one run of consecutive pages (what the pools hand out)
+        return torch.from_numpy(np.arange(first, first + n * page_size, dtype=np.int64))
+    return torch.from_numpy((p.reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1))
 
 
-_SMALL = 1024  # slots: below this, validate in Python
+def page_ids(
+    indices: torch.Tensor, page_size: int, what: str = "indices", end: int | None = None
+) -> np.ndarray:
+    """The page ids of ``indices``, which must be whole pages, each page's slots consecutive.
+
+    Args:
+        indices: 1-D integer tensor of token slots.
+        page_size: slots per page.
+        what: the argument's name, for error messages.
+        end: when given, every slot must lie in ``0 .. end-1``.
+    Returns:
+        int64 page ids (numpy), one per page, in order (repeated if the caller repeated a page).
+    Raises:
+        BadIndices: not an integer 1-D tensor, length not a multiple of ``page_size``, a page not
+            laid out as ``[p*page_size, ..., p*page_size + page_size - 1]``, or out of range.
+    """
+    a = as_index_tensor(indices, what).numpy()
+    n = a.shape[0]
+    if n % page_size:
+        raise BadIndices(f"{what}: {n} slots is not a whole number of pages of {page_size}")
+    if n == 0:
+        return _NO_PAGES
+    first = int(a[0])
+    if first % page_size == 0 and a.tobytes() == np.arange(first, first + n, dtype=np.int64).tobytes():
+        lo, hi = first, first + n - 1  # one run of consecutive pages (the common chunk)
+        pages = np.arange(first // page_size, (first + n) // page_size, dtype=np.int64)
+    else:
+        grid = a.reshape(-1, page_size)
+        starts = grid[:, 0]
+        if (starts % page_size).any() or not np.array_equal(grid, starts[:, None] + np.arange(page_size)):
+            raise BadIndices(f"{what} are not whole, page-aligned pages of {page_size} slots")
+        pages = starts // page_size
+        lo, hi = int(starts.min()), int(starts.max()) + page_size - 1
+    if end is not None and (lo < 0 or hi >= end):
+        raise BadIndices(f"{what} must lie in 0..{end - 1}")
+    return pages
 
 
 def pages_of_aligned(indices: torch.Tensor, page_size: int, what: str = "indices") -> torch.Tensor:
-    """The pages of ``indices``, which must be whole pages, each page's slots consecutive in order.
+    """``page_ids`` as an int64 tensor (no range check).
 
-    Returns:
-        int64 page ids, one per page, in order (may repeat if the caller repeated a page).
     Raises:
-        BadIndices: length not a multiple of ``page_size`` or a page not laid out as
-            ``[p*page_size, ..., p*page_size + page_size - 1]``.
+        BadIndices: as ``page_ids``.
     """
-    idx = as_index_tensor(indices, what)
-    if idx.numel() % page_size:
-        raise BadIndices(f"{what}: {idx.numel()} slots is not a whole number of pages of {page_size}")
-    if idx.numel() <= _SMALL:  # a chunk: plain Python beats a handful of tiny tensor ops
-        slots = idx.tolist()
-        pages = []
-        for i in range(0, len(slots), page_size):
-            first = slots[i]
-            if first % page_size or slots[i : i + page_size] != list(range(first, first + page_size)):
-                raise BadIndices(f"{what} are not whole, page-aligned pages of {page_size} slots")
-            pages.append(first // page_size)
-        return torch.tensor(pages, dtype=torch.int64)
-    grid = idx.view(-1, page_size)
-    pages = grid[:, 0] // page_size
-    if not torch.equal(grid, slots_of_pages(pages, page_size).view(-1, page_size)):
-        raise BadIndices(f"{what} are not whole, page-aligned pages of {page_size} slots")
-    return pages
+    return torch.from_numpy(page_ids(indices, page_size, what).copy())

@@ -2,11 +2,13 @@
 
 A page is never-allocated, held, or free-after-release. Frees are validated in full before any
 state changes, so a bad free (double free, never-allocated page, out of range) changes nothing.
+State lives in numpy arrays: a chunk's alloc or free is a handful of C calls (no small torch ops,
+no per-page Python loop).
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from transfer.errors import BadIndices, DoubleFree, IntegrityError, NotAllocated
 
@@ -28,24 +30,24 @@ class PageSet:
             raise ValueError(f"need 0 <= first < end, got first={first} end={end}")
         self.first, self.end = first, end
         self.total = end - first
-        self._state = torch.zeros(end, dtype=torch.uint8)
-        self._free = torch.arange(first, end, dtype=torch.int64)
-        self._released: list[torch.Tensor] = []
+        self._state = np.zeros(end, dtype=np.uint8)
+        self._free = np.arange(first, end, dtype=np.int64)
+        self._released: list[np.ndarray] = []
         self._released_count = 0
 
     def free_count(self) -> int:
         """Pages available to ``alloc``."""
-        return self._free.numel() + self._released_count
+        return self._free.shape[0] + self._released_count
 
     def held_count(self) -> int:
         """Pages currently handed out."""
         return self.total - self.free_count()
 
-    def alloc(self, n_pages: int) -> torch.Tensor | None:
+    def alloc(self, n_pages: int) -> np.ndarray | None:
         """Take ``n_pages`` pages (lowest ids first after a merge).
 
         Returns:
-            int64 page ids, or None (nothing taken) when fewer are free.
+            int64 page ids (numpy; the caller's to keep), or None (nothing taken) when fewer are free.
         Raises:
             ValueError: ``n_pages`` negative.
         """
@@ -53,14 +55,17 @@ class PageSet:
             raise ValueError(f"cannot allocate {n_pages} pages")
         if n_pages > self.free_count():
             return None
-        if n_pages > self._free.numel():
-            self._free, _ = torch.cat([self._free, *self._released]).sort()
+        if n_pages > self._free.shape[0]:
+            self._free = np.sort(np.concatenate([self._free, *self._released]))
             self._released, self._released_count = [], 0
         got, self._free = self._free[:n_pages], self._free[n_pages:]
-        self._state[got] = _HELD
+        if n_pages and int(got[-1]) - int(got[0]) == n_pages - 1:  # ids ascend: one run
+            self._state[int(got[0]):int(got[-1]) + 1] = _HELD
+        else:
+            self._state[got] = _HELD
         return got
 
-    def free(self, pages: torch.Tensor) -> int:
+    def free(self, pages: np.ndarray) -> int:
         """Release ``pages`` (a page listed several times counts once).
 
         Returns:
@@ -70,34 +75,40 @@ class PageSet:
             NotAllocated: a page never handed out (reserved pages included).
             DoubleFree: a page already released.
         """
-        pages = torch.unique(pages)
-        if pages.numel() == 0:
+        pages = np.sort(np.asarray(pages, dtype=np.int64))
+        if pages.shape[0] == 0:
             return 0
+        if pages.shape[0] > 1 and (pages[1:] == pages[:-1]).any():
+            pages = np.unique(pages)
         lo, hi = int(pages[0]), int(pages[-1])
         if lo < 0 or hi >= self.end:
             raise BadIndices(f"page ids {lo}..{hi} outside 0..{self.end - 1}")
-        state = self._state[pages]
+        run = hi - lo + 1 == pages.shape[0]  # distinct and sorted: one run of consecutive ids
+        state = self._state[lo:hi + 1] if run else self._state[pages]
         if (state != _HELD).any():
             never = pages[state == _NEVER]
-            if never.numel():
+            if never.shape[0]:
                 raise NotAllocated(f"pages {never[:8].tolist()} were never allocated")
             raise DoubleFree(f"pages {pages[state == _RELEASED][:8].tolist()} are already free")
-        self._state[pages] = _RELEASED
+        if run:
+            self._state[lo:hi + 1] = _RELEASED
+        else:
+            self._state[pages] = _RELEASED
         self._released.append(pages)
-        self._released_count += pages.numel()
-        return pages.numel()
+        self._released_count += pages.shape[0]
+        return pages.shape[0]
 
-    def is_held(self, pages: torch.Tensor) -> bool:
+    def is_held(self, pages: np.ndarray) -> bool:
         """Whether every page in ``pages`` (valid ids) is currently held."""
         return bool((self._state[pages] == _HELD).all())
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + held == total with no page both free and held."""
-        free = torch.cat([self._free, *self._released])
-        if free.numel() != torch.unique(free).numel():
+        free = np.concatenate([self._free, *self._released])
+        if free.shape[0] != np.unique(free).shape[0]:
             raise IntegrityError("a page is on the free list twice")
         held = int((self._state == _HELD).sum())
-        if free.numel() and (self._state[free] == _HELD).any():
+        if free.shape[0] and (self._state[free] == _HELD).any():
             raise IntegrityError("a page is both free and held")
-        if held + free.numel() != self.total:
-            raise IntegrityError(f"held {held} + free {free.numel()} != total {self.total}")
+        if held + free.shape[0] != self.total:
+            raise IntegrityError(f"held {held} + free {free.shape[0]} != total {self.total}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ class BackgroundWorker:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: deque[Done] = deque()
+        self._unfinished: set = set()  # tags submitted whose job has not returned yet
         self._pending = 0
         self._closed = False
         self._threads = [
@@ -52,9 +54,11 @@ class BackgroundWorker:
                 return
             tag, fn = job
             try:
-                self._done.append(Done(tag, fn()))
+                done = Done(tag, fn())
             except BaseException as err:  # reported to the poller, never raised on this thread
-                self._done.append(Done(tag, error=err))
+                done = Done(tag, error=err)
+            self._unfinished.discard(tag)
+            self._done.append(done)
 
     @property
     def pending(self) -> int:
@@ -70,6 +74,7 @@ class BackgroundWorker:
         if self._closed:
             raise Closed("worker is closed")
         self._pending += 1
+        self._unfinished.add(tag)
         self._jobs.put((tag, fn))
 
     def poll(self) -> list[Done]:
@@ -80,16 +85,32 @@ class BackgroundWorker:
         self._pending -= len(out)
         return out
 
+    def unfinished(self) -> list:
+        """Tags whose job is queued or running (not yet returned). Never blocks."""
+        return list(self._unfinished)
+
     def alive(self) -> bool:
         """Whether a worker thread is still running (e.g. after ``close`` timed out on a stuck job)."""
         return any(t.is_alive() for t in self._threads)
 
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None) -> bool:
         """Stop accepting work, let queued jobs finish, and join the threads, waiting at most
-        ``timeout`` s per thread (None: until they end; a stuck daemon thread is left). Idempotent."""
+        ``timeout`` seconds in all (None: until they end). A job cannot be cancelled: a thread
+        stuck in one is left behind (a daemon thread) and its job is still reported by ``poll``
+        if it ever returns. Idempotent.
+
+        Returns:
+            True when every thread has ended.
+        Raises:
+            ValueError: ``timeout`` negative.
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
         if not self._closed:
             self._closed = True
             for _ in self._threads:
                 self._jobs.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self.alive()

@@ -233,7 +233,7 @@ def test_close_with_a_stuck_copy_is_bounded_and_logged():
     off.write(torch.arange(0, 8), 1)
     drain(lambda: [1] if 1 in eng.started else [], 1)  # the copy is running (and stuck)
     with capture_logs() as logs:
-        off.close(timeout_s=0.05)
+        off.close(timeout=0.05)
     assert events(logs, "offloader.close_timed_out")[0]["in_flight_writes"] == 1
     eng.gate.set()
     assert drain(off.finished_writes, 1) == [1]

@@ -1,0 +1,46 @@
+"""Bounded shutdown: what a ``close(timeout=...)`` left behind.
+
+A copy on a worker thread or a CUDA stream cannot be cancelled. ``close`` therefore waits at most
+its timeout (default ``DEFAULT_CLOSE_TIMEOUT_S``) and then *abandons* what is still running,
+saying exactly what stays quarantined and why, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+#: Seconds ``HostOffloader.close`` / ``TransferStack.close`` wait by default for in-flight work.
+DEFAULT_CLOSE_TIMEOUT_S = 10.0
+
+
+class CloseReport(msgspec.Struct):
+    """The outcome of a bounded ``close``.
+
+    Attributes:
+        clean: every copy and storage op had finished within the timeout (nothing abandoned).
+        timeout: the timeout the close ran under (None: it waited without bound).
+        abandoned_writes: ack ids of device -> host copies still queued or running at the
+            deadline. Each may still be reported by ``finished_writes`` if its copy ever ends.
+        device_slots: device token slots those copies may still read: the caller must keep them
+            allocated (quarantined) until the copy is reported, or for the process's lifetime.
+        host_pages: host pages those copies may still write: never returned to the host pool.
+        abandoned_storage: op ids of host -> storage ops still queued or running; their host
+            pages stay busy (``free_host`` refuses them) until ``finished_storage`` reports them.
+        reason: one line saying what was abandoned and why ("" when clean).
+    """
+
+    clean: bool
+    timeout: float | None
+    abandoned_writes: list[int] = msgspec.field(default_factory=list)
+    device_slots: list[int] = msgspec.field(default_factory=list)
+    host_pages: list[int] = msgspec.field(default_factory=list)
+    abandoned_storage: list[int] = msgspec.field(default_factory=list)
+    reason: str = ""
+
+
+def check_timeout(timeout: float | None) -> None:
+    """Raise ValueError unless ``timeout`` is None or a number >= 0."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout must be a number >= 0 or None, got {timeout!r}")
