@@ -61,6 +61,8 @@ class RedisServer:
         workdir: its ``--dir`` (None: a fresh temporary directory, removed by ``stop``).
     """
 
+    extra_args: tuple[str, ...] = ()  # more server options (a subclass: cluster mode)
+
     def __init__(self, binary: str, port: int | None = None, workdir: str | None = None) -> None:
         self.binary = binary
         self.port = port or free_port()
@@ -79,7 +81,7 @@ class RedisServer:
         cmd = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--daemonize", "no",
             "--save", "", "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "yes",
-            "--loglevel", "warning", "--logfile", "", "--databases", "4",
+            "--loglevel", "warning", "--logfile", "", "--databases", "4", *self.extra_args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      cwd=self.workdir, start_new_session=True)

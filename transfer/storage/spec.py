@@ -30,7 +30,8 @@ def open_storage(
     Args:
         spec: ``"memory"``, ``"file:DIR"`` (``~`` expanded), or a server URL ``redis://host:port/db``
             (also ``rediss://``, ``unix://path?db=N``; ``valkey://`` is an alias of ``redis://``),
-            or ``mooncake://HOST:PORT?options`` (a Mooncake master; see ``mooncake_conn``).
+            or ``redis+cluster://HOST:PORT`` (any node of a Redis/Valkey Cluster), or
+            ``mooncake://HOST:PORT?options`` (a Mooncake master; see ``mooncake_conn``).
         suffix, page_nbytes: the deployment suffix and page size (see ``Storage``).
         capacity_bytes: LRU bound (None: unbounded).
         ttl_s: page expiry for a server backend (ignored by the others).
@@ -61,11 +62,17 @@ def open_storage(
         url = "rediss://" + spec[len("valkeys://"):] if spec.startswith("valkeys://") else url
         return RedisStorage(url, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
                             page_format=page_format, connect_timeout_s=connect_timeout_s)
+    if isinstance(spec, str) and spec.startswith(("redis+cluster://", "rediss+cluster://", "valkey+cluster://",
+                                                   "valkeys+cluster://")):
+        from transfer.storage.redis_cluster import RedisClusterStorage
+
+        return RedisClusterStorage(spec, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
+                                   page_format=page_format, connect_timeout_s=connect_timeout_s)
     if isinstance(spec, str) and spec.startswith("mooncake://"):
         from transfer.storage.mooncake import MooncakeStorage
         from transfer.storage.mooncake_conn import parse_spec
 
         return MooncakeStorage(parse_spec(spec), suffix, page_nbytes, page_format=page_format,
                                require_checksum=require_checksum)
-    raise ValueError(f"storage must be 'memory', 'file:DIR', 'redis://HOST:PORT/DB', "
+    raise ValueError(f"storage must be 'memory', 'file:DIR', 'redis://HOST:PORT/DB', 'redis+cluster://HOST:PORT', "
                      f"'mooncake://HOST:PORT' or a Storage, got {spec!r}")
