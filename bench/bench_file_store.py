@@ -1,11 +1,11 @@
 """FileStorage write throughput vs a raw sequential write of the same bytes, same run, same disk.
 
 The store writes one file per page (temp file + os.replace, no fsync), by default with the page's
-checksum in an extended attribute; the baseline writes the same bytes to one file with one write
-per page, no fsync. Each writer starts after an ``os.sync()`` (not timed) and the order rotates
+seal (XXH3-128 over name, format and bytes) in an extended attribute; the baseline writes the same
+bytes to one file with one write per page, no fsync. Each writer starts after an ``os.sync()`` (not timed) and the order rotates
 each round, so page-cache writeback left by one writer does not throttle the next.
 All run into fresh directories on the same filesystem, interleaved, and the median round is kept.
-Columns: the store with checksums (the default) and without (``checksum=False``).
+Columns: the store with seals (the default) and without (``checksum=False``).
 Run: .venv/bin/python bench/bench_file_store.py [DIR] [ROUNDS]
 """
 

@@ -267,8 +267,7 @@ class IndexedStorage(Storage):
                 with self._lock:
                     self._index.remove(name)
             todo.append((i, name, page))
-        items = [(n, p, self._seal(n, p)) for _, n, p in todo]
-        for (i, name, page), err in zip(todo, self._write_many(items)):
+        for (i, name, page), err in zip(todo, self._write_many([(n, p) for _, n, p in todo])):
             if err is not None:
                 self._count("errors")
                 log.error("storage.write_failed", name=name, errno=err.errno, error=str(err))
@@ -285,13 +284,13 @@ class IndexedStorage(Storage):
             return None
         return seal(name, self._format(page), memoryview(page.reshape(-1).view(torch.uint8).numpy()))
 
-    def _write_many(self, items: list[tuple[str, torch.Tensor, bytes | None]]) -> list[OSError | None]:
-        """Write each ``(name, page, seal)``; per item, the OSError it failed with or None.
+    def _write_many(self, items: list[tuple[str, torch.Tensor]]) -> list[OSError | None]:
+        """Seal and write each ``(name, page)``; per item, the OSError it failed with or None.
         Default: one after the other; a backend may write them concurrently."""
         errors: list[OSError | None] = []
-        for name, page, sealed in items:
+        for name, page in items:
             try:
-                self._write(name, page, sealed)
+                self._write(name, page, self._seal(name, page))
                 errors.append(None)
             except OSError as err:
                 errors.append(err)

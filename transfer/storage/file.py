@@ -173,15 +173,16 @@ class FileStorage(IndexedStorage):
             raise
 
     def _write_many(self, items):
-        """Pages of a batch are written concurrently (the syscalls release the GIL): one file per
-        page costs per-file work that a single sequential file does not, and parallel writers
-        recover it."""
+        """Pages of a batch are sealed and written concurrently (the syscalls release the GIL): one
+        file per page costs per-file work that a single sequential file does not, and parallel
+        writers recover it."""
         if len(items) < 2 or self.write_threads < 2:
             return super()._write_many(items)
 
         def one(item):
-            try:
-                self._write(*item)
+            name, page = item
+            try:  # sealing here overlaps the hash with the other writers' write syscalls
+                self._write(name, page, self._seal(name, page))
             except OSError as err:
                 return err
             return None
