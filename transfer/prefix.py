@@ -232,9 +232,11 @@ class PrefixLoader:
         """True when no load is in flight."""
         return not self._pending
 
-    def close(self) -> None:
-        """Refuse new loads and let queued ones finish (still reported by ``finished``)."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new loads and let queued ones finish (still reported by ``finished``), waiting
+        at most ``timeout`` seconds (None: until they end). Returns True when none is left running."""
         self._closed = True
-        self._worker.close()
+        ended = self._worker.close(timeout)
         if self._lookups is not None:  # a lookup stuck on a hung tier is abandoned, not waited for
             self._lookups.shutdown(wait=False, cancel_futures=True)
+        return ended

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 import hashing
@@ -13,6 +15,7 @@ from transfer.host_pool import HostPool
 from transfer.kv_pool import KVPool
 from transfer.prefix import PrefixLoader
 from transfer.req_pool import ReqToTokenPool
+from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
 from transfer.storage.base import Storage
 from transfer.storage.integrity import PageFormat
 from transfer.storage.spec import open_storage
@@ -32,11 +35,26 @@ class TransferStack:
     offloader: HostOffloader
     prefix_loader: PrefixLoader
 
-    def close(self) -> None:
-        """Drain and stop the workers, then release the storage backend."""
-        self.offloader.close()
-        self.prefix_loader.close()
+    def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT_S) -> CloseReport:
+        """Drain and stop the workers, then release the storage backend, waiting at most
+        ``timeout`` seconds in all (default ``DEFAULT_CLOSE_TIMEOUT_S``; None: without bound).
+        Copies, storage ops and prefix loads still running at the deadline are abandoned, never
+        waited on forever.
+
+        Returns:
+            The offloader's ``CloseReport``, not ``clean`` also when a prefix load was abandoned.
+        Raises:
+            ValueError: ``timeout`` negative or not a number.
+        """
+        check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        report = self.offloader.close(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.prefix_loader.close(left):
+            why = f"prefix loads still running after {timeout}s (their device slots and host pages stay held)"
+            report = msgspec.structs.replace(report, clean=False, reason="; ".join(filter(None, [report.reason, why])))
         self.storage.close()
+        return report
 
 
 def build_stack(

@@ -91,3 +91,50 @@ def test_cuda_round_trip(dtype):
     drain(eng.poll, 1)
     assert torch.equal(kv.read(dst).view(torch.uint8), kv.read(slots).view(torch.uint8))
     eng.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("ps", [1, 4])
+def test_scattered_device_pages_any_host_pages_both_ways(seed, ps):
+    """CPU gather (index_select into permuted host views) and scatter: arbitrary device pages,
+    host pages in runs and alone, a device pool whose size is not a whole number of pages."""
+    g = torch.Generator().manual_seed(seed)
+    kv = KVPool(3, 2, 8, torch.bfloat16, 66)  # 66 slots: the last partial page is never used
+    host = HostPool(3, 2, 8, torch.bfloat16, ps, 64 // ps * ps)
+    n = 5
+    dev_pages = torch.randperm(66 // ps, generator=g)[:n]
+    single = torch.randperm(host.num_pages - 2, generator=g)[:n - 2]
+    run = torch.tensor([host.num_pages - 2, host.num_pages - 1])  # one run of two, the rest alone
+    host_pages = torch.cat([single[:1], run, single[1:]])
+    slots = (dev_pages.view(-1, 1) * ps + torch.arange(ps)).reshape(-1)
+    kv.write(torch.arange(66), synthetic_kv(kv, seed + 1, torch.arange(66)))
+    eng = CpuCopyEngine()
+    eng.to_host("h", kv, host, slots, host_pages)
+    assert [d.error for d in drain(eng.poll, 1)] == [None]
+    for i, p in enumerate(host_pages.tolist()):
+        assert torch.equal(host.page_view(p).view(torch.uint8), expected_page(kv, slots[i * ps:(i + 1) * ps], ps))
+    dst_pages = torch.randperm(66 // ps, generator=g)[:n]
+    dst = (dst_pages.view(-1, 1) * ps + torch.arange(ps)).reshape(-1)
+    before = kv.read(torch.arange(66)).clone()
+    eng.to_device("d", kv, host, dst, host_pages)
+    assert [d.error for d in drain(eng.poll, 1)] == [None]
+    assert torch.equal(kv.read(dst).view(torch.uint8), before[:, :, slots].contiguous().view(torch.uint8))
+    untouched = torch.tensor([s for s in range(66) if s not in set(dst.tolist())])
+    assert torch.equal(kv.read(untouched).view(torch.uint8), before[:, :, untouched].contiguous().view(torch.uint8))
+    eng.close()
+
+
+def test_pool_views_are_built_once_and_dropped_with_the_pools():
+    import gc
+    import weakref
+
+    from transfer.gather import pair_views
+
+    kv, host = pools()
+    v = pair_views(kv, host)
+    assert pair_views(kv, host) is v
+    assert pair_views(kv, HostPool(3, 2, 8, torch.bfloat16, 4, 32)) is not v
+    ref = weakref.ref(kv)
+    del kv, v
+    gc.collect()
+    assert ref() is None  # the cache does not keep a pool alive

@@ -157,3 +157,41 @@ def test_close_drains_and_refuses_new_work():
         off.write(torch.arange(12, 16), 2)
     off.free_host(h)
     off.close()
+
+
+def test_backpressure_is_counted_always_and_warned_at_most_once_per_interval():
+    from structlog.testing import capture_logs
+
+    class Clock:
+        t = 100.0
+
+        def __call__(self):
+            return self.t
+
+    clock = Clock()
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 8)  # room for one 2-page chunk
+    off = HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), clock=clock,
+                        backpressure_log_interval_s=5.0)
+    with capture_logs() as logs:
+        for i in range(50):  # stretches of rejections broken by accepted writes, within one interval
+            h = off.write(torch.arange(8, 16), 2 * i)
+            assert off.write(torch.arange(16, 24), 2 * i + 1) is None
+            assert drain(off.finished_writes, 1) == [2 * i]
+            off.free_host(h)
+        clock.t += 5.0
+        assert off.write(torch.arange(16, 24), 1000) is not None
+        assert off.write(torch.arange(16, 24), 1001) is None  # a new interval: one more warning
+    warned = [e for e in logs if e["event"] == "offloader.host_exhausted"]
+    assert [e["log_level"] for e in warned] == ["warning", "warning"]
+    assert [e["rejected"] for e in warned] == [1, 50]  # the second carries everything since the first
+    assert warned[1]["rejected_total"] == 51 == off.stats().writes_rejected
+    drain(off.finished_writes, 1)
+    off.close()
+
+
+def test_backpressure_interval_must_not_be_negative():
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 8)
+    with pytest.raises(ValueError):
+        HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), backpressure_log_interval_s=-1)

@@ -27,3 +27,60 @@ def test_anything_else_is_bad_indices(n_pages, mangle):
     slots = torch.arange(n_pages * 4)
     with pytest.raises(BadIndices):
         pages_of_aligned(mangle(slots), 4)
+
+
+# -- page_ids: the scheduler-thread validator (numpy view; one-run fast path + general path) ----
+import numpy as np  # noqa: E402
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from transfer.indices import page_ids, slots_of_pages  # noqa: E402
+
+
+def slots_for(pages, ps):
+    return (torch.tensor(pages, dtype=torch.int64).view(-1, 1) * ps + torch.arange(ps)).reshape(-1)
+
+
+@given(st.lists(st.integers(0, 40), max_size=12), st.sampled_from([1, 2, 4, 16]),
+       st.sampled_from([torch.int64, torch.int32]))
+def test_page_ids_of_valid_slots_are_the_pages_in_order(pages, ps, dtype):
+    got = page_ids(slots_for(pages, ps).to(dtype), ps, end=41 * ps)
+    assert got.dtype == np.int64 and got.tolist() == pages
+    assert torch.equal(slots_of_pages(got, ps), slots_for(pages, ps))  # and back, either path
+
+
+@pytest.mark.parametrize("pages", [[3, 4, 5], [7], [9, 2, 3], [4, 4]])
+def test_page_ids_range_check_covers_every_slot(pages):
+    s = slots_for(pages, 4)
+    hi = int(s.max())
+    assert page_ids(s, 4, end=hi + 1).tolist() == pages
+    with pytest.raises(BadIndices, match="0..%d" % (hi - 1)):
+        page_ids(s, 4, "x", end=hi)  # the last slot is one past the end
+
+
+@pytest.mark.parametrize("slots", [
+    [-4, -3, -2, -1],           # negative, page-aligned in Python's modulo sense
+    [4, 5, 6, 7, -4, -3, -2, -1],
+])
+def test_negative_slots_are_out_of_range(slots):
+    with pytest.raises(BadIndices):
+        page_ids(torch.tensor(slots), 4, end=64)
+
+
+@pytest.mark.parametrize("slots", [
+    [2, 3, 4, 5],              # consecutive but misaligned (the one-run path)
+    [4, 5, 6, 7, 9, 10, 11, 12],  # second page misaligned (the general path)
+    [4, 5, 7, 6],              # a page's slots out of order
+])
+def test_page_ids_rejects_misaligned_or_shuffled(slots):
+    with pytest.raises(BadIndices):
+        page_ids(torch.tensor(slots), 4)
+
+
+def test_page_ids_of_nothing_and_strided_views():
+    assert page_ids(torch.empty(0, dtype=torch.int64), 4).tolist() == []
+    strided = torch.arange(0, 64)[::2]  # 0, 2, 4 ...: a non-contiguous view, not whole pages
+    with pytest.raises(BadIndices):
+        page_ids(strided, 4)
+    view = torch.arange(0, 32).view(4, 8)[:, :4].reshape(-1)  # pages 0, 2, 4, 6 from a 2-D view
+    assert page_ids(view, 4).tolist() == [0, 2, 4, 6]

@@ -1,0 +1,67 @@
+"""PageSet against a plain-Python model: every alloc/free sequence agrees, bad frees change nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transfer.errors import BadIndices, DoubleFree, NotAllocated
+from transfer.page_set import PageSet
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 6)),
+    st.tuples(st.just("free"), st.lists(st.integers(-1, 21), max_size=6)),
+), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops)
+def test_matches_a_python_model(seq):
+    ps = PageSet(20, first=1)
+    free, held, released = set(range(1, 20)), set(), set()
+    for op, arg in seq:
+        if op == "alloc":
+            got = ps.alloc(arg)
+            if arg > len(free):
+                assert got is None
+                continue
+            ids = got.tolist()
+            assert len(ids) == arg and len(set(ids)) == arg and set(ids) <= free
+            assert ids == sorted(ids)  # ascending: lowest ids first after a merge
+            free -= set(ids)
+            held |= set(ids)
+            continue
+        before = (ps.free_count(), ps.held_count())
+        uniq = set(arg)
+        if any(p < 0 or p >= 20 for p in uniq):
+            with pytest.raises(BadIndices):
+                ps.free(np.array(arg, dtype=np.int64))
+        elif not uniq <= held:
+            never = uniq - held - released
+            with pytest.raises(NotAllocated if never else DoubleFree):
+                ps.free(np.array(arg, dtype=np.int64))
+        else:
+            assert ps.free(np.array(arg, dtype=np.int64)) == len(uniq)
+            held -= uniq
+            free |= uniq
+            released |= uniq
+            continue
+        assert (ps.free_count(), ps.held_count()) == before  # a refused free changes nothing
+    assert ps.free_count() == len(free) and ps.held_count() == len(held)
+    ps.check_integrity()
+
+
+def test_one_run_and_scattered_frees_and_reserved_page():
+    ps = PageSet(10, first=1)
+    got = ps.alloc(9)
+    assert got.tolist() == list(range(1, 10))
+    assert ps.free(np.array([3, 4, 5])) == 3  # one run
+    assert ps.free(np.array([9, 1, 7, 7])) == 3  # scattered, a repeat counts once
+    with pytest.raises(DoubleFree):
+        ps.free(np.array([4]))
+    with pytest.raises(NotAllocated):
+        ps.free(np.array([0]))  # the reserved page
+    assert ps.alloc(6).tolist() == [1, 3, 4, 5, 7, 9]  # merged and sorted
+    ps.check_integrity()

@@ -1,0 +1,168 @@
+"""Bounded shutdown (issue 12): ``close(timeout=...)`` never waits forever on a stuck copy.
+
+A copy that never returns is simulated by a real ``CpuCopyEngine`` (real worker threads, real
+gather) whose job for chosen tags blocks on an event the test holds closed. Bounds are checked by
+running ``close`` on a helper thread and joining it with a generous limit (a hang fails the test;
+no timing is asserted). Every gate is opened at the end so no thread outlives its test.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+import hashing
+from transfer import CpuCopyEngine, HostOffloader, HostPool, KVPool, MemoryStorage, build_stack
+from transfer.gather import ChunkCopy
+from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport
+from transfer.stack import TransferStack
+from transfer.worker import BackgroundWorker
+from tests.support.transfer_helpers import drain
+
+PS = 4
+
+
+class StuckEngine(CpuCopyEngine):
+    """Copies for tags in ``stuck`` block until ``release`` is set (a copy that never returns)."""
+
+    def __init__(self, threads: int = 1) -> None:
+        super().__init__(threads)
+        self.release = threading.Event()
+        self.stuck: set[int] = set()
+        self.started: set[int] = set()
+
+    def to_host(self, tag, kv, host, slots, host_pages):
+        plan, hold = ChunkCopy(kv, host, slots, host_pages), tag in self.stuck
+
+        def job():
+            self.started.add(tag)
+            if hold:
+                self.release.wait()  # unbounded on purpose: only close's timeout may end the wait
+            return plan.to_host()
+
+        self.submit(tag, job)
+
+
+class StuckStorage(MemoryStorage):
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.release = threading.Event()
+
+    def batch_set(self, keys, pages):
+        self.release.wait()
+        return super().batch_set(keys, pages)
+
+
+def make(engine=None, storage=None):
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
+    store = storage if storage is not None else MemoryStorage("_m_0_1", host.page_nbytes)
+    return HostOffloader(kv, host, store, copy_engine=engine), host
+
+
+def bounded(fn, limit=20.0):
+    """Run ``fn`` on a thread; fail (instead of hanging) if it has not returned within ``limit``."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(limit)
+    assert not t.is_alive(), "close did not return: it waited on the stuck copy"
+    return out[0]
+
+
+def test_the_default_timeout_is_documented_and_bounded():
+    for close in (HostOffloader.close, TransferStack.close):
+        default = inspect.signature(close).parameters["timeout"].default
+        assert default == DEFAULT_CLOSE_TIMEOUT_S and default is not None
+        assert "DEFAULT_CLOSE_TIMEOUT_S" in close.__doc__
+
+
+def test_stuck_copy_is_abandoned_and_reported_with_its_quarantined_slots_and_pages():
+    eng = StuckEngine(threads=1)
+    off, host = make(engine=eng)
+    eng.stuck.add(1)
+    h1 = off.write(torch.arange(8, 16), 1)  # stuck
+    h2 = off.write(torch.arange(16, 20), 2)  # queued behind it on the one thread
+    drain(lambda: [1] if 1 in eng.started else [], 1)
+    with capture_logs() as logs:
+        report = bounded(lambda: off.close(timeout=0.05))
+    assert isinstance(report, CloseReport) and not report.clean and report.timeout == 0.05
+    assert report.abandoned_writes == [1, 2]
+    assert report.device_slots == list(range(8, 20))
+    assert report.host_pages == sorted(host.page_ids(h1).tolist() + host.page_ids(h2).tolist())
+    assert report.abandoned_storage == [] and "quarantined" in report.reason
+    (ev,) = [e for e in logs if e["event"] == "offloader.close_timed_out"]
+    assert ev["log_level"] == "error" and ev["abandoned_writes"] == [1, 2] and ev["in_flight_writes"] == 2
+    assert host.available_size() == 32 - 12  # abandoned pages are never handed back
+    eng.release.set()  # the copy finally ends: still reported once, pages then freeable
+    assert sorted(drain(off.finished_writes, 2)) == [1, 2]
+    off.free_host(h1)
+    off.free_host(h2)
+    host.check_integrity()
+
+
+def test_stuck_storage_op_is_abandoned_and_its_pages_stay_busy():
+    store = StuckStorage("_m_0_1")
+    off, host = make(storage=store)
+    h = off.write(torch.arange(8, 12), 1)
+    assert drain(off.finished_writes, 1) == [1]
+    tokens = [1, 2, 3, 4]
+    op = off.write_storage(h, tokens, hashing.page_hashes(tokens, PS))
+    report = bounded(lambda: off.close(timeout=0.05))
+    assert not report.clean and report.abandoned_storage == [op] and report.abandoned_writes == []
+    store.release.set()
+    assert drain(off.finished_storage, 1) == [op]
+    off.free_host(h)
+
+
+def test_close_without_stuck_work_is_clean_and_idempotent():
+    off, host = make()
+    h = off.write(torch.arange(8, 12), 1)
+    report = off.close()
+    assert report == CloseReport(clean=True, timeout=DEFAULT_CLOSE_TIMEOUT_S)
+    assert off.close(timeout=0).clean
+    assert drain(off.finished_writes, 1) == [1]
+    off.free_host(h)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "1", True])
+def test_bad_timeout_is_a_value_error_before_anything_closes(bad):
+    off, _ = make()
+    with pytest.raises(ValueError):
+        off.close(timeout=bad)
+    assert off.write(torch.arange(8, 12), 1) is not None  # still open
+    off.close()
+
+
+def test_worker_close_bounds_the_total_wait_not_each_thread():
+    w = BackgroundWorker("t", threads=3)
+    gate = threading.Event()
+    for i in range(3):
+        w.submit(i, gate.wait)
+    drain(lambda: [1] if len(w.unfinished()) == 3 else [], 1)
+    assert bounded(lambda: w.close(timeout=0.05)) is False and w.alive()
+    assert sorted(w.unfinished()) == [0, 1, 2]
+    gate.set()
+    assert sorted(d.tag for d in drain(w.poll, 3)) == [0, 1, 2]
+    assert w.close(timeout=5) is True and w.unfinished() == []
+
+
+def test_stack_close_takes_a_timeout_and_reports_a_stuck_copy():
+    stack = build_stack(2, 2, 8, torch.bfloat16, PS, 32, 32, 2, 32)
+    eng = StuckEngine(threads=1)
+    stack.offloader.engine.close()
+    stack.offloader.engine = eng
+    eng.stuck.add(7)
+    slots = stack.allocator.alloc(8)
+    stack.offloader.write(slots, 7)
+    drain(lambda: [1] if 7 in eng.started else [], 1)
+    report = bounded(lambda: stack.close(timeout=0.05))
+    assert not report.clean and report.abandoned_writes == [7] and report.device_slots == slots.tolist()
+    eng.release.set()
+    assert drain(stack.offloader.finished_writes, 1) == [7]
+    with pytest.raises(ValueError):
+        stack.close(timeout=-1)
