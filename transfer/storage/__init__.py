@@ -1,14 +1,17 @@
 """Page storage backends: the ``Storage`` interface, in-memory, file (SGLang HiCacheFile naming) and
-Redis/Valkey (``RedisStorage``, imported on first use); ``open_storage`` opens one from a spec."""
+Redis/Valkey (``RedisStorage``, imported on first use); ``open_storage`` opens one from a spec.
+``PageFormat`` / the seal (``integrity``) and ``CircuitBreaker`` are shared by every tier."""
 
 from transfer.storage.base import IndexedStorage, Storage, StorageStats
+from transfer.storage.breaker import BreakerState, CircuitBreaker
+from transfer.storage.integrity import PageFormat, Verdict
 from transfer.storage.file import FileStorage
 from transfer.storage.memory import MemoryStorage
 from transfer.storage.spec import is_redis_spec, open_storage
 
 __all__ = [
-    "FileStorage", "IndexedStorage", "MemoryStorage", "RedisStorage", "RedisStorageStats", "Storage",
-    "StorageStats", "is_redis_spec", "open_storage",
+    "BreakerState", "CircuitBreaker", "FileStorage", "IndexedStorage", "MemoryStorage", "PageFormat",
+    "RedisStorage", "RedisStorageStats", "Storage", "StorageStats", "Verdict", "is_redis_spec", "open_storage",
 ]
 
 

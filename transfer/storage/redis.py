@@ -76,6 +76,8 @@ class RedisStorageStats(StorageStats):
 
 
 def _raw(t: torch.Tensor) -> memoryview:
+    if t.dtype is torch.uint8 and t.dim() == 1:  # host page_bytes views: no reshape needed
+        return memoryview(t.numpy())
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
@@ -376,20 +378,22 @@ class RedisStorage(Storage):
             replies = self._run(build, "get")
             corrupt = []
             for i, name, value in zip(run, names, replies):
-                ok = False
                 if isinstance(value, Exception):
                     self._count("errors")
                     log.error("redis_storage.read_failed", name=name, error=str(value))
                 elif value is not None:
-                    ok = self._verify_into(name, value, into[i], corrupt)
-                with self._lock:
-                    if ok:
+                    results[i] = self._verify_into(name, value, into[i], corrupt)
+            evicted = []
+            with self._lock:  # one lock for the round trip's bookkeeping
+                for i, name in zip(run, names):
+                    if results[i]:
                         self._stats.hits += 1
-                        self._index.touch(name) or self._index.add(name, sizes[i])
+                        if not self._index.touch(name):
+                            evicted += self._index.add(name, sizes[i])
                     else:
                         self._stats.misses += 1
                         self._index.remove(name)
-                results[i] = ok
+            self._evict(evicted)
             if corrupt:
                 try:
                     self._run(lambda p: p.delete(*corrupt), "delete corrupt")
