@@ -77,8 +77,17 @@ def test_two_stage_pipeline_is_in_the_suffix():
         ((3,), {}, "model_name must be a str"),
         (("m", 2, 2), {}, r"tp_rank 2 is not in 0\.\.tp_size-1 \(size 2\)"),
         (("m",), {"pp_rank": 3, "pp_size": 2}, r"pp_rank 3 is not in 0\.\.pp_size-1 \(size 2\)"),
+        (("m",), {"attn_cp_rank": 2, "attn_cp_size": 2},
+         r"attn_cp_rank 2 is not in 0\.\.attn_cp_size-1 \(size 2\)"),
     ],
 )
 def test_bad_suffix_arguments_are_named(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         storage_suffix(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"tp_size": True}, {"pp_size": True}, {"attn_cp_size": True},
+                                    {"tp_rank": False}, {"tp_size": 2.0}])
+def test_bool_or_float_ranks_and_sizes_are_refused(kwargs):
+    with pytest.raises(ValueError, match="rank"):
+        storage_suffix("m", **kwargs)

@@ -1,0 +1,199 @@
+"""Mutation testing of the library (mutmut 3), group by group, each against its own test files.
+
+    .venv/bin/pip install -e '.[mutation]'
+    .venv/bin/python bench/mutation.py [--groups hashing lifecycle ...] [--commit HEAD]
+                                       [--workdir mutation-runs] [--max-children 2] [--nice 10]
+
+Not part of CI. For each group of ``bench/mutation_map.py`` it extracts the commit into a fresh
+snapshot (``git archive``: the working tree, and whoever is editing it, is never touched), writes
+the group's ``[tool.mutmut]`` section there (modules to mutate, test files to run), runs
+``mutmut run`` at low priority and collects every mutant's outcome. It prints, per group and per
+package: mutants generated, killed, survived, timeout, no tests (code no selected test reaches),
+other (suspicious/segfault), known equivalent (listed in ``bench/mutation_equivalent.txt`` with
+the reason) and the kill rate = (killed + timeout) / (generated - equivalent - no tests).
+Survivor diffs go to ``{workdir}/{commit}/{group}.survivors.txt`` and all outcomes to
+``{workdir}/{commit}/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.mutation_map import (  # noqa: E402
+    ALSO_COPY,
+    DESELECT,
+    GROUPS,
+    LIBRARY,
+    NEVER_MUTATE,
+    SLOW_OR_MULTIPROCESS_TESTS,
+)
+
+EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
+KILLED = {"killed", "caught by type check"}
+PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "--hypothesis-seed=0"]
+COLUMNS = ("generated", "killed", "survived", "timeout", "no tests", "other", "equivalent")
+
+
+def expand(snapshot: Path, patterns: list[str], exclude: list[str] = ()) -> list[str]:
+    """Files under ``snapshot`` matching any pattern (component-wise globs), minus ``exclude``."""
+    found = {p.relative_to(snapshot).as_posix() for pat in patterns for p in snapshot.glob(pat)}
+    dropped = {p.relative_to(snapshot).as_posix() for pat in exclude for p in snapshot.glob(pat)}
+    return sorted(found - dropped)
+
+
+def toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def snapshot_of(commit: str, dest: Path) -> None:
+    """A clean copy of ``commit``'s tree at ``dest``."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+
+
+def configure(snapshot: Path, group: str) -> tuple[list[str], list[str]]:
+    """Write the group's [tool.mutmut] into the snapshot's pyproject; return (modules, tests)."""
+    spec = GROUPS[group]
+    modules = expand(snapshot, spec["mutate"], NEVER_MUTATE)
+    tests = expand(snapshot, spec["tests"], SLOW_OR_MULTIPROCESS_TESTS)
+    pyproject = snapshot / "pyproject.toml"
+    text = pyproject.read_text()
+    if "[tool.mutmut]" in text:
+        raise SystemExit("pyproject.toml already has [tool.mutmut]: bench/mutation.py owns that section")
+    pyproject.write_text(text + f"""
+[tool.mutmut]
+source_paths = {toml_list([p + "/" for p in LIBRARY])}
+only_mutate = {toml_list(modules)}
+also_copy = {toml_list(ALSO_COPY)}
+pytest_add_cli_args = {toml_list(PYTEST_ARGS + [f"--deselect={t}" for t in DESELECT])}
+pytest_add_cli_args_test_selection = {toml_list(tests)}
+use_git_change_detection = false
+""")
+    return modules, tests
+
+
+def run_group(commit_dir: Path, commit: str, group: str, max_children: int) -> dict:
+    snapshot = commit_dir / group
+    snapshot_of(commit, snapshot)
+    modules, tests = configure(snapshot, group)
+    mutmut = Path(sys.executable).with_name("mutmut")
+    # mutmut puts mutants/ first on sys.path itself (a PYTHONPATH entry breaks its test run).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["CI"] = "true"  # a test that needs a server fails instead of skipping
+    log = commit_dir / f"{group}.log"
+    start = time.monotonic()
+    with open(log, "wb") as out:
+        rc = subprocess.run([str(mutmut), "run", "--max-children", str(max_children)],
+                            cwd=snapshot, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    wall = time.monotonic() - start
+    listing = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=snapshot, env=env,
+                             capture_output=True, text=True).stdout
+    outcomes = dict(line.strip().rsplit(": ", 1) for line in listing.splitlines() if ": " in line)
+    survivors = [m for m, s in outcomes.items() if s == "survived"]
+    with open(commit_dir / f"{group}.survivors.txt", "w") as f:
+        for name in survivors:
+            f.write(subprocess.run([str(mutmut), "show", name], cwd=snapshot, env=env,
+                                   capture_output=True, text=True).stdout + "\n")
+    return {"group": group, "rc": rc, "wall_s": round(wall, 1), "modules": modules, "tests": tests,
+            "outcomes": outcomes}
+
+
+def load_equivalent() -> dict[str, str]:
+    """``mutant name  # reason`` lines."""
+    if not EQUIVALENT_FILE.exists():
+        return {}
+    out = {}
+    for line in EQUIVALENT_FILE.read_text().splitlines():
+        name, _, reason = line.partition("#")
+        if name.strip():
+            out[name.strip()] = reason.strip()
+    return out
+
+
+def tally(outcomes: dict[str, str], equivalent: dict[str, str]) -> Counter:
+    c = Counter(generated=len(outcomes))
+    for name, status in outcomes.items():
+        if status in KILLED:
+            c["killed"] += 1
+        elif status == "survived":
+            c["equivalent" if name in equivalent else "survived"] += 1
+        elif status in ("timeout", "no tests"):
+            c[status] += 1
+        else:
+            c["other"] += 1
+    return c
+
+
+def kill_rate(c: Counter) -> str:
+    judged = c["generated"] - c["equivalent"] - c["no tests"]
+    return f"{100 * (c['killed'] + c['timeout']) / judged:.1f}%" if judged else "-"
+
+
+def print_table(rows: list[tuple[str, Counter, float | None]]) -> None:
+    head = f"{'group':<24}" + "".join(f"{h:>11}" for h in COLUMNS) + f"{'kill rate':>11}{'wall s':>9}"
+    print(head)
+    print("-" * len(head))
+    for name, c, wall in rows:
+        print(f"{name:<24}" + "".join(f"{c[h]:>11}" for h in COLUMNS)
+              + f"{kill_rate(c):>11}" + (f"{wall:>9.0f}" if wall is not None else f"{'':>9}"))
+
+
+def report(results: list[dict], equivalent: dict[str, str]) -> None:
+    rows, per_package, total = [], {}, Counter()
+    for r in results:
+        c = tally(r["outcomes"], equivalent)
+        rows.append((r["group"], c, r["wall_s"]))
+        per_package.setdefault(r["group"].split(".")[0], Counter()).update(c)
+        total.update(c)
+    rows += [(f"= {pkg}", c, None) for pkg, c in per_package.items()]
+    rows.append(("= all", total, sum(r["wall_s"] for r in results)))
+    print_table(rows)
+    seen = {m for r in results for m in r["outcomes"]}
+    stale = sorted(set(equivalent) - seen)
+    if stale:
+        print(f"\n{len(stale)} listed equivalent mutants were not generated (code changed): {stale}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS))
+    ap.add_argument("--commit", default="HEAD")
+    ap.add_argument("--workdir", type=Path, default=ROOT / "mutation-runs")
+    ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--nice", type=int, default=10)
+    args = ap.parse_args()
+    os.nice(args.nice)
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.commit],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    commit_dir = args.workdir.resolve() / commit
+    commit_dir.mkdir(parents=True, exist_ok=True)
+    results_file = commit_dir / "results.json"
+    done = {r["group"]: r for r in json.loads(results_file.read_text())} if results_file.exists() else {}
+    print(f"mutation campaign on {commit}, groups {', '.join(args.groups)}", flush=True)
+    for group in args.groups:
+        r = run_group(commit_dir, commit, group, args.max_children)
+        done[group] = r
+        results_file.write_text(json.dumps(list(done.values()), indent=1))
+        print(f"  {group}: {len(r['outcomes'])} mutants in {r['wall_s']:.0f} s (mutmut rc {r['rc']})",
+              flush=True)
+    print()
+    report([done[g] for g in GROUPS if g in done], load_equivalent())
+    print(f"\nsurvivor diffs: {commit_dir}/<group>.survivors.txt; outcomes: {results_file}")
+
+
+if __name__ == "__main__":
+    main()
