@@ -75,6 +75,8 @@ OPTIONS: tuple[Option, ...] = (
            action="store_true"),
     Option("require_checksum", False, k.flag_, "strict storage: a stored page without a seal (written by "
            "another tool) is a miss", STORAGE, action="store_true"),
+    Option("lookup_timeout", 0.5, k.seconds, "deadline of one prefix lookup in storage, seconds; a slower "
+           "tier is a miss (and trips its circuit breaker)", STORAGE),
     Option("verify", "128", k.verify, "stored pages read back and compared: N (a sample), all or none",
            STORAGE),
     Option("prefill_budget", 2048, k.integer(1), "prompt tokens computed per step at most", cli=None),
@@ -154,10 +156,11 @@ def _check_storage(cfg) -> None:
             raise ConfigProblem("--storage file: needs a directory (file:DIR)")
         k.writable_dir(spec[5:], "--store" if cfg.storage is None else "--storage")
     elif spec != "memory":
-        from transfer.storage.spec import is_redis_spec  # the library's one spec grammar
+        from transfer.storage.spec import is_server_spec  # the library's one spec grammar
 
-        if not is_redis_spec(spec):
-            raise ConfigProblem(f"unknown storage {spec!r} (use a directory, memory, file:DIR or redis://HOST:PORT/DB)")
+        if not is_server_spec(spec):
+            raise ConfigProblem(f"unknown storage {spec!r} (use a directory, memory, file:DIR, redis://HOST:PORT/DB, "
+                                f"redis+cluster://HOST:PORT or mooncake://HOST:PORT)")
 
 
 def worst_request(cfg) -> tuple[int, int]:

@@ -214,4 +214,4 @@ def make_mooncake():
     master.holder = holder
     yield master
     for p in reversed(procs):
-        p.stop()
+        p.stop(timeout=1.0)  # a client whose master is gone spends ~20 s unmounting at exit

@@ -14,6 +14,15 @@ def is_redis_spec(spec: str) -> bool:
     return isinstance(spec, str) and spec.startswith(REDIS_SCHEMES)
 
 
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://", "valkey+cluster://", "valkeys+cluster://")
+
+
+def is_server_spec(spec: str) -> bool:
+    """Whether ``spec`` names a storage server ``open_storage`` knows: Redis/Valkey, a Redis
+    Cluster (``redis+cluster://``) or a Mooncake master (``mooncake://``)."""
+    return is_redis_spec(spec) or (isinstance(spec, str) and spec.startswith(CLUSTER_SCHEMES + ("mooncake://",)))
+
+
 def open_storage(
     spec: str,
     suffix: str = "",
@@ -62,8 +71,7 @@ def open_storage(
         url = "rediss://" + spec[len("valkeys://"):] if spec.startswith("valkeys://") else url
         return RedisStorage(url, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
                             page_format=page_format, connect_timeout_s=connect_timeout_s)
-    if isinstance(spec, str) and spec.startswith(("redis+cluster://", "rediss+cluster://", "valkey+cluster://",
-                                                   "valkeys+cluster://")):
+    if isinstance(spec, str) and spec.startswith(CLUSTER_SCHEMES):
         from transfer.storage.redis_cluster import RedisClusterStorage
 
         return RedisClusterStorage(spec, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,

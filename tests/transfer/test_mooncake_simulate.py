@@ -1,0 +1,79 @@
+"""``kv-lifecycle simulate --storage mooncake://...`` against a real master (the CLI in subprocesses):
+two processes, the second reusing the first's prefixes bit-exact from a standalone segment holder;
+and the master killed mid-run — the run still finishes with its report and exit 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from lifecycle_tools.testkit.mooncake_server import make_mooncake  # noqa: F401 (fixture)
+
+RUN = ["--requests", "8", "--turns", "2", "--prompt-len", "16-48", "--output-len", "16-40", "--layers", "2",
+       "--heads", "2", "--head-dim", "16", "--page-size", "4", "--device-tokens", "2048", "--host-tokens", "512",
+       "--rows", "6", "--arrival-rate", "0.5", "--seed", "11", "--verify", "all", "--abort-frac", "0", "--no-progress"]
+
+
+def simulate(spec: str, out, *flags) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lifecycle_tools", "simulate", *RUN, *flags, "--storage", spec,
+                             "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def connected_to(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds an established TCP connection to port ``port`` (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return any(r[2].endswith(f":{port:04X}") and r[3] == "01" and r[9] in inodes for r in rows)
+
+
+def finish(proc, out, timeout: float = 120):
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "OK:" in stdout
+    (p,) = json.loads(out.read_text())["passes"]
+    assert p["slots_leaked"] == p["rows_leaked"] == p["host_pages_leaked"] == 0
+    assert p["double_frees"] == p["lifecycle_errors"] == p["verify_mismatched"] == p["prefix_mismatches"] == 0
+    return p
+
+
+def test_two_processes_the_second_reuses_the_first_bit_exact(make_mooncake, tmp_path):
+    master = make_mooncake()
+    make_mooncake.holder(master)
+    spec = master.spec(global_segment_size=0)  # pages live on the holder, not in the simulate processes
+    first = finish(simulate(spec, tmp_path / "a.json"), tmp_path / "a.json")
+    assert first["storage_failures"] == 0 and first["storage_pages_written"] > 0
+    second = finish(simulate(spec, tmp_path / "b.json"), tmp_path / "b.json")
+    assert second["prefix_pages_looked_up"] > 0
+    assert second["prefix_pages_hit"] == second["prefix_pages_looked_up"] == second["prefix_pages_verified"]
+    assert second["storage_pages_written"] == 0 and second["storage_pages_skipped"] == first["pages_stored"]
+    assert second["prompt_tokens_computed"] < first["prompt_tokens_computed"]
+
+
+def test_master_killed_mid_run_still_reports(make_mooncake, tmp_path):
+    master = make_mooncake()
+    make_mooncake.holder(master)
+    out = tmp_path / "r.json"
+    # no segment of its own: a process holding a segment spends ~20 s at exit unmounting it from a dead master
+    proc = simulate(master.spec(global_segment_size=0), out, "--requests", "200", "--arrival-rate", "0.05")
+    deadline = time.monotonic() + 60
+    while not connected_to(proc.pid, master.port):  # torch imported, stack built, client set up
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(0.5)  # serve for a while
+    assert proc.poll() is None, proc.communicate()
+    master.kill()
+    p = finish(proc, out)
+    assert p["finished"] + p["aborted"] == p["requests"] == 200
+    assert p["prefix_lookups_failed"] > 0 or p["storage_failures"] > 0, p
