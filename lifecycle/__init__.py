@@ -4,24 +4,33 @@ from lifecycle.errors import (
     ConfigError,
     IntegrityError,
     InvalidRequest,
+    InvalidToken,
     InvalidTransition,
     LifecycleError,
     ManagerClosed,
+    ReentrantCall,
     UnknownCompletion,
 )
 from lifecycle.manager import DecodeOffloadManager
 from lifecycle.records import OffloadedState, Stats
+from lifecycle.release import AllocatorReleaseSink, ReleasePlan, ReleaseRefused, ReleaseSink
 from lifecycle.states import State
 
 __all__ = [
+    "AllocatorReleaseSink",
     "ConfigError",
     "DecodeOffloadManager",
     "IntegrityError",
     "InvalidRequest",
+    "InvalidToken",
     "InvalidTransition",
     "LifecycleError",
     "ManagerClosed",
     "OffloadedState",
+    "ReentrantCall",
+    "ReleasePlan",
+    "ReleaseRefused",
+    "ReleaseSink",
     "State",
     "Stats",
     "UnknownCompletion",

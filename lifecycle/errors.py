@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from transitions import MachineError
 
+from hashing import TokenRangeError as _HashingTokenRangeError
+
 
 class LifecycleError(Exception):
     """Base of every error the lifecycle raises."""
@@ -31,6 +33,16 @@ class InvalidTransition(LifecycleError, MachineError):
 
 class InvalidRequest(LifecycleError, ValueError):
     """The request object is malformed (no row, inconsistent lengths, wrong types)."""
+
+
+class InvalidToken(InvalidRequest, _HashingTokenRangeError):
+    """A token id of the request is not an int in 0..2**32-1; names the token and its position
+    in the request (``origin_input_ids + output_ids``). Also a ``hashing.TokenRangeError``."""
+
+
+class ReentrantCall(LifecycleError, RuntimeError):
+    """A manager call made while the same manager is inside another call (e.g. from a log
+    processor or an offloader callback); refused before it changes anything."""
 
 
 class ConfigError(LifecycleError, ValueError):

@@ -1,9 +1,10 @@
 """The one module-level ``transitions`` Machine that runs every request's lifecycle.
 
-The table lives in ``lifecycle.states``; here its callback names are bound to functions and the
-machine is built once, with no models: events are fired on slim per-request records with
-``MACHINE.events[name].trigger(record, mgr=..., req=...)``. Callbacks receive the event data
-(``send_event=True``) and do the work through the manager passed as ``mgr``.
+The table lives in ``lifecycle.states``; here its names are bound — guards to the pure predicates
+of ``lifecycle.states.GUARDS`` (given the record's ``Facts``), work to the functions of
+``lifecycle.work`` — and the machine is built once, with no models: events are fired on slim
+per-request records with ``MACHINE.events[name].trigger(record, mgr=..., req=...)``. Callbacks
+receive the event data (``send_event=True``) and do the work on the manager passed as ``mgr``.
 
 ``LeanEvent`` is transitions' ``event_cls`` extension point: it runs the machine's own
 ``Transition`` objects (guards, before/after callbacks, ``before_state_change``) without the
@@ -19,8 +20,9 @@ import logging
 
 from transitions import Event, Machine
 
+from lifecycle import work
 from lifecycle.errors import InvalidTransition
-from lifecycle.states import INITIAL, TRANSITIONS, State
+from lifecycle.states import GUARDS, INITIAL, TRANSITIONS, Facts, Refusal, State, decide
 
 logging.getLogger("transitions").setLevel(logging.WARNING)
 
@@ -99,7 +101,7 @@ class LeanEvent(Event):
                 for cb in after:
                     cb(fire)
                 return True
-        raise InvalidTransition(model.rid, self.name, src.name, _guard_reason(model, self.name))
+        raise InvalidTransition(model.rid, self.name, src.name, _guard_reason(model, self.name, kwargs))
 
 
 def _passes(conds, fire) -> bool:
@@ -109,90 +111,65 @@ def _passes(conds, fire) -> bool:
     return True
 
 
-def _guard_reason(record, trigger: str) -> str:
-    if record.inflight:
-        return f"{record.inflight} copies still in flight"
-    return f"guard of {trigger!r} failed"
+def _guard_reason(record, trigger: str, kwargs: dict) -> str:
+    facts = Facts(record.state, record.inflight, kwargs.get("finished", False), kwargs.get("finalizing", False))
+    verdict = decide(trigger, facts)
+    return verdict.explain(facts) if isinstance(verdict, Refusal) else f"guard of {trigger!r} failed"
 
 
-# --- guards and work, bound to the names in lifecycle.states.TRANSITIONS -------------------------
+# --- guards (lifecycle.states.GUARDS) and work (lifecycle.work), bound to the table's names ----
 
 
-def copies_in_flight(fire) -> bool:
-    """Guard: the request has GPU -> host copies still in flight."""
-    return fire.model.inflight > 0
+def _bind_guard(guard):
+    def check(fire) -> bool:
+        rec, kw = fire.model, fire.kwargs
+        finished, finalizing = kw.get("finished", False), kw.get("finalizing", False)
+        if finished or finalizing:
+            return guard(Facts(rec.state, rec.inflight, finished, finalizing))
+        return guard(rec)  # a Record has the Facts attributes (finished/finalizing False)
+
+    check.__name__ = check.__qualname__ = guard.__name__
+    check.__doc__ = guard.__doc__
+    return check
 
 
-def enqueue_chunk(fire) -> None:
-    """After ``offload``: hand the planned chunk to the offloader; fire ``enqueued`` or ``host_short``."""
-    fire.kwargs["mgr"]._enqueue_chunk(fire.model, fire.kwargs["req"], fire.kwargs["chunk"])
+CALLBACKS = {name: _bind_guard(guard) for name, guard in GUARDS.items()}
+CALLBACKS.update(work.CALLBACKS)
 
 
-def commit_chunk(fire) -> None:
-    """Before ``enqueued``: record the chunk in flight and advance ``inc_len`` and ``last_hash``."""
-    fire.kwargs["mgr"]._commit_chunk(fire.model, fire.kwargs["chunk"])
-
-
-def count_host_short(fire) -> None:
-    """After ``host_short``: count and log the refused (or failed) enqueue; nothing advanced."""
-    fire.kwargs["mgr"]._count_host_short(fire.model, fire.kwargs)
-
-
-def free_memory(fire) -> None:
-    """Before ``release``: free the request's slots (minus quarantined ones) and its row."""
-    fire.kwargs["mgr"]._free_memory(fire.model, fire.kwargs["req"])
-
-
-def reset_progress(fire) -> None:
-    """After ``readmit``: a new lifecycle on the new row, with fresh offload progress."""
-    kw = fire.kwargs
-    kw["mgr"]._reset_progress(fire.model, kw["req"], kw["row"], kw["progress"])
-
-
-_BY_NAME = {s.name: s for s in State}
-
-
-def record_transition(fire) -> None:
-    """Machine-wide, before every state change: per-state counters and the audit event."""
-    t = fire.transition
-    fire.kwargs["mgr"]._on_transition(fire.model, fire.event.name, t.source, t.dest)
-
-
-CALLBACKS = {
-    f.__name__: f
-    for f in (copies_in_flight, enqueue_chunk, commit_chunk, count_host_short, free_memory, reset_progress)
-}
-
-
-def bound_table(table=TRANSITIONS) -> list[dict]:
-    """The declared table with callback names replaced by the functions above."""
+def bound_table(table=TRANSITIONS, *, callbacks=None) -> list[dict]:
+    """The declared table with guard and work names replaced by their functions (``callbacks``:
+    a mapping overriding some of ``CALLBACKS``, e.g. recording stand-ins in tests)."""
+    callbacks = CALLBACKS if callbacks is None else {**CALLBACKS, **callbacks}
     out = []
     for row in table:
         row = dict(row)
         for key in ("conditions", "unless", "before", "after"):
             if key in row:
-                row[key] = CALLBACKS[row[key]]
+                row[key] = callbacks[row[key]]
         out.append(row)
     return out
 
 
-def build_machine(event_cls=LeanEvent, machine_cls=Machine, **extra) -> Machine:
+def build_machine(event_cls=LeanEvent, machine_cls=Machine, callbacks=None, **extra) -> Machine:
     """Build a model-less machine from the declared table.
 
     Args:
         event_cls: transitions' event class (``LeanEvent`` at runtime; the stock ``Event`` for
             parity tests).
         machine_cls: ``Machine`` or a diagram class such as ``GraphMachine``.
+        callbacks: names to bind to other functions than ``CALLBACKS`` (``record_transition``
+            included), for tests.
     """
     cls = type(machine_cls.__name__, (machine_cls,), {"event_cls": event_cls})
     return cls(
         model=None,
         states=State,
         initial=INITIAL,
-        transitions=bound_table(),
+        transitions=bound_table(callbacks=callbacks),
         auto_transitions=False,
         send_event=True,
-        before_state_change=[record_transition],
+        before_state_change=[(callbacks or {}).get("record_transition", work.record_transition)],
         **extra,
     )
 

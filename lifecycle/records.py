@@ -32,6 +32,10 @@ class Record(msgspec.Struct, gc=False):
     generation: int = 0
     expired: tuple | None = None  # ack ids of this request's expired copies still quarantined
 
+    # A record is also the ``lifecycle.states.Facts`` of a trigger that carries no call facts.
+    finished = False
+    finalizing = False
+
 
 class Chunk(msgspec.Struct):
     """A GPU -> host copy in flight. Holds the request strongly until it lands."""
@@ -45,6 +49,7 @@ class Chunk(msgspec.Struct):
     tokens: list
     page_hashes: list
     enqueued_at: float
+    indices: object = None  # the int64 device slots the copy reads (planned before the offload)
 
 
 class StorageOp(msgspec.Struct, gc=False):
@@ -86,6 +91,7 @@ class Stats(msgspec.Struct):
     copies_expired: int = 0
     copy_failures: int = 0
     quarantined_slots: int = 0
+    unsettled: int = 0  # completions reported by the offloader, not settled yet (check_offload_progress)
 
 
 class RecordView(msgspec.Struct):

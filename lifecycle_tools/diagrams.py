@@ -101,8 +101,8 @@ def state_table_md(mk: dict | None = None) -> str:
         guard = _guard(t).strip(" []") or "-"
         rows.append(f"| `{t['trigger']}` | {t['source']} | {t['dest']} | {guard} | {work or '-'} |")
     rows += ["", "| refused | when | the bug it prevents |", "|---|---|---|"]
-    for trigger, when, bug in REFUSALS:
-        rows.append(f"| `{trigger}` | {when} | {bug} |")
+    for r in REFUSALS:
+        rows.append(f"| `{r.trigger}` | {r.when} | {r.bug} |")
     return "\n".join(rows) + "\n"
 
 

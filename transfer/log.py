@@ -26,6 +26,25 @@ import structlog
 
 _METHODS = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warning",
             logging.ERROR: "error", logging.CRITICAL: "critical"}
+# structlog's level-filtering wrapper classes (one per level, created once by structlog) -> level
+_FILTERING = {structlog.make_filtering_bound_logger(lvl): lvl for lvl in (logging.NOTSET, *_METHODS)}
+
+
+# structlog's configuration object (configure() mutates it in place); None if structlog changes it
+_CONFIG = getattr(getattr(structlog, "_config", None), "_CONFIG", None)
+
+
+def _structlog_configured() -> bool:
+    return _CONFIG.is_configured if _CONFIG is not None else structlog.is_configured()
+
+
+def _structlog_enabled(name: str, level: int) -> bool:
+    wrapper = _CONFIG.default_wrapper_class if _CONFIG is not None else structlog.get_config()["wrapper_class"]
+    floor = _FILTERING.get(wrapper)
+    if floor is not None:
+        return level >= floor
+    enabled = getattr(structlog.get_logger(name).bind(), "is_enabled_for", None)
+    return bool(enabled(level)) if callable(enabled) else True
 
 
 class _Message:
@@ -62,15 +81,15 @@ class Logger:
 
     def is_enabled_for(self, level: int) -> bool:
         """Whether an event at ``level`` would be emitted now (checked at call time)."""
-        if structlog.is_configured():
-            bound = structlog.get_logger(self.name).bind()
-            enabled = getattr(bound, "is_enabled_for", None)
-            return bool(enabled(level)) if callable(enabled) else True
+        if _structlog_configured():
+            return _structlog_enabled(self.name, level)
         return self._std.isEnabledFor(level)
 
     def log(self, level: int, event: str, **fields) -> None:
         """Emit ``event`` at ``level`` (a ``logging`` level) with ``fields``."""
-        if structlog.is_configured():
+        if _structlog_configured():
+            if not _structlog_enabled(self.name, level):
+                return
             bound = structlog.get_logger(self.name).bind(**self.context)
             getattr(bound, _METHODS.get(level, "info"))(event, **fields)
         elif self._std.isEnabledFor(level):

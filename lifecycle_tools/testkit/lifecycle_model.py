@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from lifecycle import DecodeOffloadManager, InvalidTransition, State
+from lifecycle.table import lookup
 from lifecycle_tools.testkit.doubles import Pools, Req, TrackingOffloader
 
 RUNNING = (None, State.PREFILLED, State.INFLIGHT)
@@ -166,7 +167,7 @@ class World:
             state = self.mgr.state_of(req)
             if req.finished():
                 assert state in (State.INFLIGHT, State.FINISHED, State.RELEASED), (req.rid, state)
-            rec = self.mgr._lookup(req)
+            rec = lookup(self.mgr, req)
             legal = (state is State.FINISHED or (state in RUNNING and req.finished())) and not (rec and rec.inflight)
             probes = []
             if not legal and state is not None:

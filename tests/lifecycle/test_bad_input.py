@@ -60,7 +60,7 @@ def case_negative_committed(node):
     req.decode(5)
     req.decode(6)
     req.kv.kv_committed_len = -3
-    return lambda: node.mgr.offload_kv_cache(req), InvalidRequest, "not committed"
+    return lambda: node.mgr.offload_kv_cache(req), InvalidRequest, "kv committed length -3 is not a non-negative int"
 
 
 def case_release_inconsistent_lengths(node):
@@ -92,7 +92,7 @@ def case_token_out_of_range(node):
     req.decode(-1)
     req.decode(5)
     req.decode(6)
-    return lambda: node.mgr.offload_kv_cache(req), TokenRangeError, "token id -1 at position 2"
+    return lambda: node.mgr.offload_kv_cache(req), TokenRangeError, "token id -1 at position 6"
 
 
 def case_token_not_int(node):

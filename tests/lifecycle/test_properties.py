@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hashing import page_hashes
 from lifecycle import DecodeOffloadManager, InvalidTransition, State
+from lifecycle.table import lookup
 from lifecycle_tools.testkit.doubles import WIDTH, Pools, Req, TrackingOffloader
 
 
@@ -113,7 +114,7 @@ class Lifecycles(RuleBasedStateMachine):
             return
         req = data.draw(st.sampled_from(self.reqs))
         state = self.mgr.state_of(req)
-        rec = self.mgr._lookup(req)
+        rec = lookup(self.mgr, req)
         legal = (state is State.FINISHED or (state is not State.RELEASED and req.finished())) and not (rec and rec.inflight)
         if legal or req.kv.req_pool_idx is None and state is None:
             return

@@ -44,4 +44,4 @@ def test_the_required_transitions_are_declared():
 
 def test_refusals_name_a_declared_trigger():
     triggers = {r["trigger"] for r in TRANSITIONS}
-    assert {trigger for trigger, _, _ in REFUSALS} <= triggers
+    assert {r.trigger for r in REFUSALS} <= triggers

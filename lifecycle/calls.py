@@ -1,0 +1,71 @@
+"""Call discipline shared by every ``DecodeOffloadManager`` call: one call at a time (re-entry is
+refused with ``ReentrantCall`` before anything changes), no call after ``shutdown``
+(``ManagerClosed``), refusals raised and logged the same way, and audit events emitted once the
+call's state is consistent (a log processor that calls back into the manager finds it idle)."""
+
+from __future__ import annotations
+
+import logging
+
+from lifecycle import audit
+from lifecycle.errors import InvalidTransition, ManagerClosed, ReentrantCall
+from lifecycle.records import Record
+from lifecycle.states import Facts, Refusal, decide
+
+BUSY, CLOSED = "busy", "closed"
+HOST_SHORT_WARN_S = 60.0  # at most one host-pool-short warning per this many seconds
+
+
+class CallGate:
+    """Mixin of ``DecodeOffloadManager``: ``_gate`` (None, ``BUSY`` or ``CLOSED``), ``_logs`` (the
+    current call's audit events), ``_log`` and ``_debug`` are set by the manager."""
+
+    def _enter(self) -> None:
+        if self._gate is not None:
+            self._refuse_gate()
+        self._gate = BUSY
+        self._debug = self._log.is_enabled_for(logging.DEBUG)
+
+    def _leave(self) -> None:
+        self._gate = None
+        if self._logs:
+            logs, self._logs = self._logs, []
+            for method, event, fields in logs:
+                method(event, **fields)
+
+    def _emit(self, method, event: str, **fields) -> None:
+        """Log ``event`` once the current call's state is consistent (at once outside a call)."""
+        if self._gate is BUSY:
+            self._logs.append((method, event, fields))
+        else:
+            method(event, **fields)
+
+    def _refuse_gate(self):
+        if self._gate == CLOSED:
+            raise ManagerClosed("the manager was shut down")
+        raise ReentrantCall("a DecodeOffloadManager call was made while another call of the same manager "
+                            "is running (from a log processor or a callback?); nothing was changed")
+
+    def _raise(self, rid, trigger: str, state: str, reason: str):
+        self._emit(self._log.info, audit.REFUSED, rid=rid, trigger=trigger, state=state, reason=reason)
+        raise InvalidTransition(rid, trigger, state, reason)
+
+    def _refuse(self, rec: Record, trigger: str, facts: Facts):
+        verdict = decide(trigger, facts)
+        reason = verdict.explain(facts) if isinstance(verdict, Refusal) else f"{trigger!r} not allowed"
+        if self._gate is None:  # the fast path logs at once
+            self._log.info(audit.REFUSED, rid=rec.rid, trigger=trigger, state=rec.state.name, reason=reason)
+            raise InvalidTransition(rec.rid, trigger, rec.state.name, reason)
+        self._raise(rec.rid, trigger, rec.state.name, reason)
+
+    def _note_host_short(self, rec: Record, start: int, end: int) -> None:
+        """Each refusal is an audit event (INFO); a WARNING at most every ``HOST_SHORT_WARN_S``."""
+        self._emit(rec.log.info, audit.HOST_SHORT, start=start, end=end)
+        self._host_short_since_warning += 1
+        now = self._clock()
+        last = self._host_short_warned_at
+        if last is None or now - last >= HOST_SHORT_WARN_S:
+            self._emit(self._log.warning, audit.HOST_SHORT_SUMMARY, refused=self._host_short_since_warning,
+                       total=self._host_short, interval_s=HOST_SHORT_WARN_S)
+            self._host_short_warned_at, self._host_short_since_warning = now, 0
+

@@ -1,0 +1,160 @@
+"""The release seam: what freeing a request means (``ReleasePlan``) and who does it (``ReleaseSink``).
+
+The manager's one free path plans a release completely — the slot ids and the row — checks the
+plan itself (``plan_release``) and through the sink (``ReleaseSink.check``), and only then hands it
+to the sink (``ReleaseSink.free``), once. A refused plan changes nothing; a retry after the
+scheduler repaired the cause frees everything exactly once.
+
+``AllocatorReleaseSink`` (the default) frees through a ``token_to_kv_pool_allocator`` and a
+``req_to_token_pool``; an integration with its own bookkeeping (SGLang's radix tree, for one)
+passes its own sink: ``DecodeOffloadManager(..., release_sink=sink)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lifecycle.errors import InvalidRequest, LifecycleError
+
+
+class ReleaseRefused(InvalidRequest):
+    """A release sink cannot execute a plan (a slot not allocated, a row not held, ...)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ReleasePlan:
+    """Everything one release frees, validated before anything is freed.
+
+    Attributes:
+        req: the scheduler's request being released.
+        rid: its id.
+        row: its ``req_to_token`` row (freed after the slots).
+        ranges: the token ranges of the row being freed: ``(0, committed)`` when ``committed > 0``
+            and the speculative over-allocation ``(ceil_to_alloc_page(committed), allocated)``
+            when non-empty, as ``(start, end)`` tuples.
+        slots: int64 tensor of the slot ids those ranges hold, sorted and unique, minus slots held
+            in quarantine by an expired copy (those are freed when the copy ends).
+        committed: KV tokens committed (``effective_kv_committed_len()`` or ``kv_committed_len``).
+        allocated: KV slots allocated (``kv.kv_allocated_len``).
+        quarantined: how many of the ranges' slots were left out because a stuck copy may read them.
+    """
+
+    req: object
+    rid: object
+    row: int
+    ranges: tuple
+    slots: torch.Tensor
+    committed: int
+    allocated: int
+    quarantined: int = 0
+
+
+@runtime_checkable
+class ReleaseSink(Protocol):
+    """Executes release plans. Called from the scheduler thread, inside the manager's call.
+
+    Contract:
+        * ``check(plan)`` raises a ``LifecycleError`` subclass (``ReleaseRefused``) when the plan
+          cannot be executed (a slot not allocated, the row not held, ...) and changes nothing.
+        * ``free(plan)`` frees every slot of ``plan.slots`` and the row in one call (a page shared
+          by the two ranges is freed once), then marks the request's row as gone the way the
+          scheduler expects (``req.kv.req_pool_idx = None`` for SGLang's pool). The manager calls
+          it only after ``check(plan)`` passed, at most once per plan.
+    """
+
+    def check(self, plan: ReleasePlan) -> None: ...
+
+    def free(self, plan: ReleasePlan) -> None: ...
+
+
+def _probe(obj, name):
+    probe = getattr(obj, name, None)
+    return probe if callable(probe) else None
+
+
+class AllocatorReleaseSink:
+    """Frees slots through ``token_to_kv_pool_allocator.free(indices)`` and the row through
+    ``req_to_token_pool.free(req)``.
+
+    ``check`` asks the pools when they can tell (optional methods ``allocator.check_free(indices)``
+    and ``req_to_token_pool.check_free(req)``, which raise and change nothing when a free would
+    fail; ``transfer.PagedTokenAllocator`` and ``transfer.ReqToTokenPool`` have them); pools
+    without them are trusted.
+    """
+
+    def __init__(self, req_to_token_pool, token_to_kv_pool_allocator) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = token_to_kv_pool_allocator
+        self._check_slots = _probe(token_to_kv_pool_allocator, "check_free")
+        self._check_row = _probe(req_to_token_pool, "check_free")
+
+    def check(self, plan: ReleasePlan) -> None:
+        """Raises ReleaseRefused when a pool says the plan's slots or row cannot be freed."""
+        for probe, arg, what in ((self._check_slots, plan.slots, "slots"), (self._check_row, plan.req, "row")):
+            if probe is None or (what == "slots" and not plan.slots.numel()):
+                continue
+            try:
+                probe(arg)
+            except LifecycleError:
+                raise
+            except Exception as err:
+                raise ReleaseRefused(
+                    f"request {plan.rid!r}: cannot free its {what} (row {plan.row}): {err}"
+                ) from err
+
+    def free(self, plan: ReleasePlan) -> None:
+        """Free all slots in one allocator call, then the row."""
+        if plan.slots.numel():
+            self.allocator.free(plan.slots)
+        self.req_to_token_pool.free(plan.req)
+
+
+def release_ranges(committed: int, allocated: int, alloc_page: int) -> tuple:
+    """``[0, committed)`` and the over-allocation past the page holding ``committed - 1``."""
+    ranges = [(0, committed)] if committed else []
+    tail = -(-committed // alloc_page) * alloc_page
+    if tail < allocated:
+        ranges.append((tail, allocated))
+    return tuple(ranges)
+
+
+def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
+    """The validated plan for releasing ``req`` (read by ``lifecycle.requests.read_request``).
+
+    Raises:
+        InvalidRequest: the row lists a negative slot id (-1: never written) or the same slot twice
+            (a cleared or corrupted row) in the ranges to free.
+        ReleaseRefused: the release sink refuses the plan.
+    """
+    ranges = release_ranges(view.committed, view.allocated, mgr._alloc_page)
+    row = mgr.req_to_token_pool.req_to_token[view.row]
+    parts = [row[s:e] for s, e in ranges]
+    slots = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64) if parts else _EMPTY
+    n_quarantined = 0
+    if slots.numel():
+        unique = torch.unique(slots)  # sorted
+        if int(unique[0]) < 0:
+            pos = int((slots < 0).nonzero()[0])
+            raise InvalidRequest(
+                f"request {rec.rid!r}: row {view.row} lists slot {int(slots[pos])} at a position to free "
+                f"(ranges {list(ranges)}): KV never allocated there"
+            )
+        if unique.numel() != slots.numel():
+            raise InvalidRequest(
+                f"request {rec.rid!r}: row {view.row} lists {slots.numel() - unique.numel()} slot ids more "
+                f"than once in {list(ranges)} (cleared or overwritten?)"
+            )
+        slots = unique
+        if quarantined is not None:
+            keep = ~torch.isin(slots, quarantined)
+            n_quarantined = slots.numel() - int(keep.sum())
+            slots = slots[keep]
+    plan = ReleasePlan(req, rec.rid, view.row, ranges, slots, view.committed, view.allocated, n_quarantined)
+    mgr.release_sink.check(plan)
+    return plan
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)

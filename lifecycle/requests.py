@@ -1,0 +1,152 @@
+"""Request validation: the one place that reads a scheduler request and checks it.
+
+Every scheduler call reads the request through ``read_request`` (shape, ownership, row, lengths)
+before it changes anything, and plans its work here (``plan_chunk``; ``lifecycle.release`` plans a
+release) with every input checked; the manager acts only on a validated plan. A check that fails
+raises a ``LifecycleError`` (``InvalidRequest``, ``InvalidToken``) naming the request.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import torch
+
+from hashing import TokenRangeError, page_hashes
+from lifecycle.errors import InvalidRequest, InvalidToken
+from lifecycle.records import Chunk, OffloadedState
+
+_SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
+_KV_SHAPE = ("req_pool_idx", "kv_committed_len", "kv_allocated_len")
+
+
+class View(NamedTuple):
+    """What one call read from a request, checked: its row and KV lengths."""
+
+    row: int
+    committed: int
+    allocated: int
+
+
+def check_shape(req) -> None:
+    """The request must be SGLang-shaped (``rid``, token lists, ``kv``, ``finished()``)."""
+    missing = [a for a in _SHAPE if not hasattr(req, a)]
+    kv = getattr(req, "kv", None)
+    missing += [f"kv.{a}" for a in _KV_SHAPE if kv is not None and not hasattr(kv, a)]
+    if missing:
+        raise InvalidRequest(f"{type(req).__name__} is not a request: it lacks {', '.join(missing)}")
+    if not callable(req.finished):
+        raise InvalidRequest(f"request {req.rid!r}: finished is not callable")
+
+
+def committed_len(req):
+    """``effective_kv_committed_len()`` when the request has it, else ``kv.kv_committed_len``."""
+    effective = getattr(req, "effective_kv_committed_len", None)
+    return effective() if callable(effective) else req.kv.kv_committed_len
+
+
+def _is_len(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def row_of(pool_rows: int, req) -> int:
+    """The request's row; InvalidRequest unless an int in ``0 .. pool_rows - 1``."""
+    row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+    if not isinstance(row, int) or isinstance(row, bool) or row < 0:
+        raise InvalidRequest(f"request {getattr(req, 'rid', None)!r} has no req_to_token row ({row!r})")
+    if row >= pool_rows:
+        raise InvalidRequest(f"request {req.rid!r}: row {row} is outside the pool's {pool_rows} rows")
+    return row
+
+
+def read_request(mgr, req, rec=None) -> View:
+    """Check everything a call relies on about ``req`` and return it.
+
+    Args:
+        mgr: the manager (its pool's shape and the ownership registry).
+        req: the scheduler's request.
+        rec: the request's live record, or None on first sight or readmit (then shape and
+            ownership are checked too; a record's request passed them when it was recorded, and
+            another manager cannot claim it while the record is live).
+    Raises:
+        InvalidRequest: not request-shaped; driven by another manager; no row or a row outside the
+            pool; a row other than the one recorded (moved without ``readmit``); KV lengths that
+            are not non-negative ints with committed <= allocated <= the row width.
+    """
+    shape = mgr.req_to_token_pool.req_to_token.shape
+    if rec is None:  # a record's request was checked for shape and ownership when first seen
+        check_shape(req)
+        mgr._owners.check(req, mgr)
+        row = row_of(shape[0], req)
+    else:
+        row = req.kv.req_pool_idx
+        if row != rec.row:
+            raise InvalidRequest(f"request {rec.rid!r}: row changed from {rec.row} to {row!r} without readmit")
+    committed, allocated = committed_len(req), req.kv.kv_allocated_len
+    for name, value in (("committed", committed), ("allocated", allocated)):
+        if not _is_len(value):
+            raise InvalidRequest(f"request {req.rid!r}: kv {name} length {value!r} is not a non-negative int")
+    if committed > allocated:
+        raise InvalidRequest(f"request {req.rid!r}: committed {committed} > allocated {allocated}")
+    if allocated > shape[1]:
+        raise InvalidRequest(f"request {req.rid!r}: allocated {allocated} exceeds the row width {shape[1]}")
+    return View(row, committed, allocated)
+
+
+def hashes(rid, tokens, page_size: int, prior, offset: int) -> list[str]:
+    """Page hashes of ``tokens``; a bad token raises InvalidToken naming its request position.
+
+    Integer-like tokens (numpy integers) are accepted as their int value.
+    """
+    try:
+        return page_hashes(tokens, page_size, prior)
+    except TokenRangeError:
+        pass
+    clean = []
+    for i, t in enumerate(tokens[: len(tokens) - len(tokens) % page_size]):
+        try:
+            t = operator.index(t)
+        except TypeError:
+            t = None
+        if t is None or not 0 <= t <= 0xFFFFFFFF:
+            raise InvalidToken(
+                f"request {rid!r}: token id {tokens[i]!r} at position {offset + i} is not an int in 0..2**32-1"
+            ) from None
+        clean.append(t)
+    return page_hashes(clean, page_size, prior)
+
+
+def initial_progress(mgr, req) -> OffloadedState:
+    """Offload progress on first sight: the chain tail of the page-aligned prompt."""
+    tokens = req.origin_input_ids
+    prefill = len(tokens) - len(tokens) % mgr.page_size
+    names = hashes(req.rid, tokens[:prefill], mgr.page_size, mgr.namespace_seed, 0)
+    return OffloadedState(0, names[-1] if names else mgr.namespace_seed)
+
+
+def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
+    """The next ``n``-token chunk of ``req``, fully checked before any state changes.
+
+    Raises:
+        InvalidRequest: the chunk has tokens whose KV is not committed.
+        InvalidToken: a token of the chunk is not an int in 0..2**32-1.
+    """
+    origin, out = req.origin_input_ids, req.output_ids
+    n_in = len(origin)
+    start = n_in - n_in % mgr.page_size + rec.offload.inc_len
+    end = start + n
+    if end > view.committed:
+        raise InvalidRequest(
+            f"request {rec.rid!r}: chunk [{start}, {end}) has tokens whose KV is not committed "
+            f"(committed {view.committed!r})"
+        )
+    if end <= n_in:
+        tokens = list(origin[start:end])
+    elif start >= n_in:
+        tokens = list(out[start - n_in : end - n_in])
+    else:
+        tokens = list(origin[start:]) + list(out[: end - n_in])
+    names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
+    indices = mgr.req_to_token_pool.req_to_token[view.row, start:end].to(torch.int64, copy=True)
+    return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices)

@@ -1,0 +1,161 @@
+"""The manager's record table (one ``Record`` per live request, keyed by identity, held weakly) and
+the ownership registries that stop two managers from driving one request or one offloader."""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections import deque
+
+import msgspec
+
+from lifecycle import audit
+from lifecycle.errors import ConfigError, InvalidRequest
+from lifecycle.records import Record
+from lifecycle.states import State
+
+_RELEASED = State.RELEASED
+
+
+def lookup(mgr, req) -> Record | None:
+    """The live record of ``req`` (None when this manager never saw it, or saw a dropped object
+    whose id was reused)."""
+    rec = mgr._records.get(id(req))
+    return rec if rec is not None and rec.ref() is req else None
+
+
+def new_record(mgr, req, view, progress) -> Record:
+    """A PREFILLED record for a request read by ``read_request``; not yet inserted."""
+    ref = weakref.KeyedRef(req, mgr._dropped.append, id(req))
+    return Record(ref, req.rid, view.row, State.PREFILLED, progress,
+                  mgr._log.bind(rid=req.rid, row=view.row, gen=0), slots=view.allocated)
+
+
+def insert(mgr, rec: Record, req) -> None:
+    """Start tracking ``rec`` (replacing a record of a dropped request with the same id)."""
+    old = mgr._records.get(id(req))
+    if old is not None:
+        retire(mgr, old)
+    mgr._records[id(req)] = rec
+    mgr._by_name["PREFILLED"] += 1
+    mgr._owners.claim(req, mgr)
+
+
+def drain_dropped(mgr) -> None:
+    """Retire the records of requests the scheduler dropped."""
+    dropped = mgr._dropped
+    while dropped:
+        ref = dropped.popleft()
+        rec = mgr._records.get(ref.key)
+        if rec is not None and rec.ref is ref:
+            retire(mgr, rec)
+
+
+def retire(mgr, rec: Record) -> None:
+    """Forget a record whose request was dropped; report a leak unless it was released."""
+    del mgr._records[rec.ref.key]
+    mgr._by_name[rec.state.name] -= 1
+    if rec.state is not _RELEASED:
+        mgr._leaked += 1
+        mgr._emit(rec.log.warning, audit.LEAKED, state=rec.state.name, slots=rec.slots)
+
+
+class Owners:
+    """Which manager holds each live request, so a request cannot be driven by two managers.
+
+    One registry per process (``OWNERS``); entries are weak on both sides.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple] = {}
+
+    def owner(self, req):
+        """The manager that claimed ``req`` last (None when none is alive)."""
+        claim = self._by_id.get(id(req))
+        if claim is None or claim[0]() is not req:
+            return None
+        return claim[1]()
+
+    def check(self, req, mgr) -> None:
+        """InvalidRequest when another live manager holds ``req`` in a state other than RELEASED."""
+        owner = self.owner(req)
+        if owner is None or owner is mgr:
+            return
+        rec = lookup(owner, req)
+        if rec is not None and rec.state is not _RELEASED:
+            raise InvalidRequest(f"request {req.rid!r} belongs to another manager (state {rec.state.name} there)")
+
+    def claim(self, req, mgr) -> None:
+        """Record ``mgr`` as the manager of ``req``."""
+        self._by_id[id(req)] = (weakref.KeyedRef(req, self._forget, id(req)), weakref.ref(mgr))
+
+    def _forget(self, ref) -> None:
+        claim = self._by_id.get(ref.key)
+        if claim is not None and claim[0] is ref:
+            del self._by_id[ref.key]
+
+
+OWNERS = Owners()
+
+
+class Offloaders:
+    """Which manager uses each offloader: two managers over one offloader would number their
+    copies alike and settle each other's completions, so the second is refused."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple] = {}
+
+    def claim(self, offloader, mgr) -> None:
+        """Raises ConfigError when a live, open manager already uses ``offloader``."""
+        entry = self._by_id.get(id(offloader))
+        if entry is not None:
+            off, owner = entry[0](), entry[1]()
+            if off is offloader and owner is not None and owner is not mgr and not owner._closed:
+                raise ConfigError(
+                    "this offloader already serves another DecodeOffloadManager; give each manager its own "
+                    "(their ack ids and completions would mix)"
+                )
+        try:
+            ref = weakref.ref(offloader, lambda _r, key=id(offloader): self._forget(key, _r))
+        except TypeError:  # not weak-referenceable: remember it strongly by identity only while mgr lives
+            ref = lambda o=offloader: o  # noqa: E731
+        self._by_id[id(offloader)] = (ref, weakref.ref(mgr))
+
+    def _forget(self, key, ref) -> None:
+        entry = self._by_id.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._by_id[key]
+
+
+OFFLOADERS = Offloaders()
+
+
+def deep_copy(mgr, memo):
+    """An independent copy of ``mgr`` and everything it refers to, requests included.
+
+    Records are re-keyed to the copied requests (they are keyed by identity, weakly), so a copy
+    can be driven on its own: used to explore what-if orderings (the bounded model check).
+    The logger, clock, TP group, machine and ownership registry are shared.
+    """
+    new = object.__new__(type(mgr))
+    memo[id(mgr)] = new
+    shared = {"_log", "_clock", "tp_group", "_fire", "_owners"}
+    for key in shared:
+        new.__dict__[key] = mgr.__dict__[key]
+    new._dropped = deque()
+    new._records = {}
+    for rec in list(mgr._records.values()):
+        req = rec.ref()
+        if req is None:
+            continue
+        twin = copy.deepcopy(req, memo)
+        clone = msgspec.structs.replace(
+            rec, ref=weakref.KeyedRef(twin, new._dropped.append, id(twin)),
+            offload=msgspec.structs.replace(rec.offload),
+        )
+        memo[id(rec)] = clone
+        new._records[id(twin)] = clone
+    for key, value in mgr.__dict__.items():
+        if key not in shared and key not in ("_records", "_dropped"):
+            new.__dict__[key] = copy.deepcopy(value, memo)
+    return new

@@ -1,0 +1,98 @@
+"""The work the lifecycle's transitions do, bound by name to the table in ``lifecycle.states``.
+
+``lifecycle.machine`` binds each name of ``CALLBACKS`` where the table lists it (``before``/
+``after``); the machine calls it with the event data: ``fire.model`` is the request's ``Record``,
+``fire.kwargs`` what the manager passed to the trigger (always ``mgr``, the manager, and ``req``).
+Every input was planned and validated by the caller (``lifecycle.requests``) before the trigger was
+fired, so nothing here can fail for a reason the plan could have seen; a collaborator (offloader,
+pools) may still raise, and then the transition's effects are undone or never applied.
+"""
+
+from __future__ import annotations
+
+from lifecycle import audit
+
+
+def enqueue_chunk(fire) -> None:
+    """After ``offload``: hand the planned chunk to the offloader; fire ``enqueued`` or ``host_short``.
+
+    The offloader raising (or returning None: host memory short) fires ``host_short``, which
+    returns the request to the state it was in; nothing advanced. The error then propagates.
+    """
+    mgr, kw, rec = fire.kwargs["mgr"], fire.kwargs, fire.model
+    chunk = kw["chunk"]
+    ack = next(mgr._ack_ids)
+    try:
+        host = mgr.offloader.write(chunk.indices, ack)
+    except BaseException as err:
+        mgr._fire["host_short"](rec, mgr=mgr, req=kw["req"], start=chunk.start, end=chunk.end, error=err)
+        raise
+    if host is None:
+        mgr._fire["host_short"](rec, mgr=mgr, req=kw["req"], start=chunk.start, end=chunk.end)
+        return
+    chunk.ack_id, chunk.host, chunk.enqueued_at = ack, host, mgr._clock()
+    mgr._fire["enqueued"](rec, mgr=mgr, req=kw["req"], chunk=chunk)
+
+
+def commit_chunk(fire) -> None:
+    """Before ``enqueued``: record the chunk in flight and advance ``inc_len`` and ``last_hash``."""
+    mgr, rec, chunk = fire.kwargs["mgr"], fire.model, fire.kwargs["chunk"]
+    mgr._ongoing[chunk.ack_id] = chunk
+    rec.inflight += 1
+    rec.offload.inc_len += chunk.end - chunk.start
+    rec.offload.last_hash = chunk.page_hashes[-1]
+    mgr._chunks += 1
+    mgr._pages += len(chunk.page_hashes)
+    if mgr._debug:
+        mgr._emit(
+            rec.log.debug, audit.CHUNK_ENQUEUED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end,
+            pages=len(chunk.page_hashes), first_hash=chunk.page_hashes[0], last_hash=chunk.page_hashes[-1],
+        )
+
+
+def count_host_short(fire) -> None:
+    """After ``host_short``: count and log the refused (or failed) enqueue; nothing advanced."""
+    mgr, rec, kw = fire.kwargs["mgr"], fire.model, fire.kwargs
+    error = kw.get("error")
+    if error is None:
+        mgr._host_short += 1
+        mgr._note_host_short(rec, kw["start"], kw["end"])
+    else:
+        mgr._emit(rec.log.error, audit.HOST_SHORT, start=kw["start"], end=kw["end"], error=repr(error))
+
+
+def free_memory(fire) -> None:
+    """Before ``release``: execute the validated ``ReleasePlan`` through the release sink (all
+    slots, minus quarantined ones, and the row, in one call), then account for it."""
+    mgr, rec, plan = fire.kwargs["mgr"], fire.model, fire.kwargs["plan"]
+    mgr.release_sink.free(plan)
+    for ack in rec.expired or ():
+        q = mgr._expired.get(ack)
+        if q is not None:
+            q.released = True
+    rec.expired = None
+    mgr._released += 1
+    mgr._emit(rec.log.info, audit.RELEASED, ranges=list(plan.ranges), slots=sum(e - s for s, e in plan.ranges),
+              committed=plan.committed, allocated=plan.allocated, quarantined=plan.quarantined)
+
+
+def reset_progress(fire) -> None:
+    """After ``readmit``: a new lifecycle on the new row, with fresh offload progress."""
+    mgr, rec, kw = fire.kwargs["mgr"], fire.model, fire.kwargs
+    view = kw["view"]
+    rec.row, rec.offload, rec.slots = view.row, kw["progress"], view.allocated
+    rec.generation += 1
+    rec.log = mgr._log.bind(rid=rec.rid, row=view.row, gen=rec.generation)
+
+
+def record_transition(fire) -> None:
+    """Machine-wide, before every state change: per-state counters and the audit event."""
+    mgr, rec, t = fire.kwargs["mgr"], fire.model, fire.transition
+    by_state = mgr._by_name
+    by_state[t.source] -= 1
+    by_state[t.dest] += 1
+    if mgr._debug:
+        mgr._emit(rec.log.debug, audit.TRANSITION, trigger=fire.event.name, src=t.source, dst=t.dest)
+
+
+CALLBACKS = {f.__name__: f for f in (enqueue_chunk, commit_chunk, count_host_short, free_memory, reset_progress)}
