@@ -4,8 +4,9 @@ One row per request lifecycle (a readmitted request's generations get a row each
 sorted by start. The row's bar is coloured by state over time; under it a green bar per D2H copy in
 flight (``chunk_enqueued`` -> ``chunk_landed``), over it a purple bar per storage write
 (``chunk_landed`` -> ``stored``); a dark tick marks the release. Rows with a violation have a red
-label. The axis is in milliseconds from the first event. Beyond ``max_rows`` rows the rest are
-counted in the title, not drawn (the SVG grows downwards, so a browser scrolls it).
+label. The axis is in milliseconds from the first event drawn. Beyond ``max_rows`` rows the rest
+are counted in the title, not drawn, and the axis spans only the rows drawn (the SVG grows
+downwards, so a browser scrolls it).
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ def _rows(r: Replay, max_rows: int):
     return lives[:max_rows], max(0, len(lives) - max_rows)
 
 
+def _span(r: Replay, lives, hidden: int) -> tuple[float, float]:
+    """The time axis: the whole log, or (rows left out) just what the drawn rows cover."""
+    t0 = r.t0 or 0.0
+    t1 = r.t1 if r.t1 is not None else t0
+    if not hidden or not lives:
+        return t0, t1
+    times = [t for life in lives for t, _ in life.history]
+    times += [t for life in lives for c in life.chunks for t in (c.enq_t, c.landed_t, c.stored_t) if t is not None]
+    open_ended = any(life.end_t is None for life in lives)
+    return min(times), (t1 if open_ended else max(times))
+
+
 def _segments(life, t_end: float):
     """(state, t_from, t_to) spans, the last open one closed at ``t_end``."""
     hist = life.history
@@ -66,8 +79,7 @@ def _segments(life, t_end: float):
 def render_svg(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 100) -> str:
     """The timeline as an SVG document (a string)."""
     lives, hidden = _rows(r, max_rows)
-    t0 = r.t0 or 0.0
-    t1 = r.t1 if r.t1 is not None else t0
+    t0, t1 = _span(r, lives, hidden)
     span_ms = max((t1 - t0) * 1000, 1e-3)
     width = LABEL_W + PLOT_W + RIGHT
     height = TOP + ROW_H * max(len(lives), 1) + BOTTOM
@@ -83,7 +95,7 @@ def render_svg(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 
     ]
     sub = f"{len(r.lifecycles)} lifecycles, {len(r.chunks)} copies, {span_ms:.1f} ms"
     if hidden:
-        sub += f" — first {len(lives)} shown, {hidden} more not drawn"
+        sub += f" — first {len(lives)} shown, {hidden} more not drawn; the axis covers the rows shown"
     if r.violations:
         sub += f" — {len(r.violations)} violations"
     o.append(f'<text x="10" y="18" font-size="14" font-weight="bold">{escape(title)}</text>')
@@ -153,8 +165,7 @@ def render_svg(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 
 def render_mermaid(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 100) -> str:
     """The timeline as Mermaid gantt text (ms since the first event; spans under 1 ms omitted)."""
     lives, hidden = _rows(r, max_rows)
-    t0 = r.t0 or 0.0
-    t1 = r.t1 if r.t1 is not None else t0
+    t0, t1 = _span(r, lives, hidden)
     tags = {"PREFILLED": "done", "OFFLOADING": "active", "INFLIGHT": "active", "FINISHED": "crit"}
 
     def ms(t: float) -> int:

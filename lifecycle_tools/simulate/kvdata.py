@@ -6,17 +6,20 @@ pages shared by two requests hold the same bytes and any page's expected content
 
 ``SyntheticKV.values`` computes exactly those bytes (a test holds it to ``transfer.synthetic_kv``),
 faster: the per-(kind, layer, byte) part of the hash is computed once per pool, and the rest in
-32-bit integers, since only bits 13..20 of the 32-bit hash reach the output byte. Work is done in
-batches of ``WRITE_BATCH`` tokens so the temporaries stay a few MiB.
+32-bit integers, since only bits 13..20 of the 32-bit hash reach the output byte (see ``values``).
+Work is done in batches of ``WRITE_BATCH`` tokens so the temporaries stay a few MiB.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 WRITE_BATCH = 256    # tokens per computed batch (bounds the temporary tensors)
 _MASK = 0xFFFFFFFF
-_MUL = 2_654_435_761 - (1 << 32)   # the pattern's multiplier as a wrapping int32
+_MUL = 2_654_435_761               # the pattern's multiplier
+_LOW = (1 << 21) - 1                # the bits of a product that reach output bits 13..20
 
 
 def page_first(values: torch.Tensor, n_pages: int, page_size: int) -> torch.Tensor:
@@ -43,17 +46,30 @@ class SyntheticKV:
         layer = torch.arange(kv_pool.layers, dtype=torch.int64).view(1, -1, 1, 1)
         off = torch.arange(nbytes, dtype=torch.int64).view(1, 1, 1, -1)
         base = (kind * 104_729 + layer * 1_299_709 + off * 31) & _MASK
-        self._base = _wrap32(base)
+        self._base = ((base * _MUL) & _LOW).to(torch.int32)      # [kinds, layers, 1, nbytes]
+        self._row = kv_pool.kinds * kv_pool.layers * nbytes       # elements per token
+        self._local = threading.local()                          # a scratch buffer per thread
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < n * self._row:
+            buf = self._local.buf = torch.empty(max(n, WRITE_BATCH) * self._row, dtype=torch.int32)
+        return buf[: n * self._row]
 
     def values(self, kvids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """KV of the positions (``kvids`` their digests), shaped for ``KVPool.write``: the bytes
-        ``transfer.synthetic_kv(pool, kvids, positions)`` gives."""
+        ``transfer.synthetic_kv(pool, kvids, positions)`` gives.
+
+        That pattern's byte is bits 13..20 of ``(t + b) * M mod 2**32`` (``t`` from the token, ``b``
+        from kind, layer and byte offset), which equals bits 13..20 of ``(t*M mod 2**21) + (b*M mod
+        2**21)``: one add and one shift per byte, in 32-bit integers.
+        """
         pool, n = self.kv, positions.numel()
-        tok = _wrap32((kvids.to(torch.int64) * 1_000_003 + positions.to(torch.int64) * 7_919) & _MASK)
-        x = (tok.view(1, 1, n, 1) + self._base).mul_(_MUL)
-        raw = x.bitwise_right_shift_(13).bitwise_and_(0xFF).to(torch.uint8)
-        shape = (pool.kinds, pool.layers, n, pool.heads, pool.head_dim)
-        return raw.view(pool.dtype).view(shape)
+        t = (kvids.to(torch.int64) * 1_000_003 + positions.to(torch.int64) * 7_919) & _MASK
+        tok = ((t * _MUL) & _LOW).to(torch.int32).view(1, 1, n, 1)
+        x = torch.add(tok, self._base, out=self._scratch(n).view(pool.kinds, pool.layers, n, -1))
+        raw = x.bitwise_right_shift_(13).to(torch.uint8)       # the conversion keeps the low 8 bits
+        return raw.view(pool.dtype).view(pool.kinds, pool.layers, n, pool.heads, pool.head_dim)
 
     def write_rows(self, row: int, kvids: torch.Tensor, lo: int, hi: int) -> None:
         """Compute and write the KV of positions ``[lo, hi)`` of ``row``."""
@@ -88,8 +104,3 @@ class SyntheticKV:
             k, layers = got.shape[0], got.shape[1]
             bad += int((~(got == want).view(k, layers, m, -1).all(-1).all(0).all(0)).sum())
         return bad
-
-
-def _wrap32(x: torch.Tensor) -> torch.Tensor:
-    """int64 values in 0 .. 2**32 - 1 as the int32 with the same low 32 bits."""
-    return (x - ((x >> 31) << 32)).to(torch.int32)

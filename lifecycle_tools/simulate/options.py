@@ -76,6 +76,16 @@ def rate(value, flag: str) -> float:
 rate.kind = "R"
 
 
+def seconds(value, flag: str) -> float:
+    v = _number(value, flag)
+    if not 0.001 <= v <= 3600:
+        raise ConfigProblem(f"{flag} must lie in 0.001..3600 seconds, got {v}")
+    return v
+
+
+seconds.kind = "S"
+
+
 def dist(value, flag: str) -> str:
     parse_dist(value, flag)
     return str(value)

@@ -38,7 +38,8 @@ def build(cfg, width: int, enqueue_timer=None):
         stack = build_stack(
             cfg.layers, cfg.heads, cfg.head_dim, getattr(torch, cfg.torch_dtype_name()), cfg.page_size,
             cfg.device_tokens, cfg.host_tokens, cfg.rows, width, storage=spec, device=cfg.device,
-            model_name=cfg.model_name(), storage_require_checksum=cfg.require_checksum)
+            model_name=cfg.model_name(), storage_require_checksum=cfg.require_checksum,
+            lookup_timeout_s=cfg.lookup_timeout)
     except StorageError as err:
         raise ConfigProblem(f"storage {spec!r}: {_one_line(err)}") from None
     except ImportError as err:

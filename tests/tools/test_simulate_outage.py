@@ -25,10 +25,24 @@ def start_simulate(tmp_path, *flags):
     return proc, out
 
 
-def wait_running(proc, seconds=2.5):
-    """Let the run import torch, build the stack and serve for a while."""
-    time.sleep(seconds)
-    assert proc.poll() is None, proc.communicate()
+def wait_serving(proc, stored, timeout=90.0):
+    """Wait until the run has stored pages (``stored()`` true): it is serving, past start-up."""
+    deadline = time.monotonic() + timeout
+    while not stored():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run never stored a page"
+        time.sleep(0.05)
+
+
+def redis_has_pages(server):
+    import redis
+
+    client = redis.Redis(port=server.port, socket_timeout=1)
+    return lambda: client.dbsize() > 0
+
+
+def dir_has_files(path):
+    return lambda: path.is_dir() and any(path.iterdir())
 
 
 def finish(proc, out, timeout=120):
@@ -60,7 +74,7 @@ def check_outage_report(rc, stdout, report):
 
 def test_server_killed_mid_run(server, tmp_path):
     proc, out = start_simulate(tmp_path, "--storage", server.url)
-    wait_running(proc)
+    wait_serving(proc, redis_has_pages(server))
     server.proc.kill()
     rc, stdout, stderr, report = finish(proc, out)
     check_outage_report(rc, stdout, report)
@@ -70,7 +84,7 @@ def test_server_killed_mid_run(server, tmp_path):
 
 def test_server_hung_mid_run(server, tmp_path):
     proc, out = start_simulate(tmp_path, "--storage", server.url)
-    wait_running(proc)
+    wait_serving(proc, redis_has_pages(server))
     os.kill(server.proc.pid, signal.SIGSTOP)          # hung: connections stay open, nothing answers
     try:
         time.sleep(4)
@@ -85,7 +99,8 @@ def test_server_hung_mid_run(server, tmp_path):
 def test_ctrl_c_stops_within_a_second_with_130(presses, tmp_path):
     proc, out = start_simulate(tmp_path, "--store", str(tmp_path / "s"), "--requests", "100000",
                                "--arrival-rate", "0")
-    wait_running(proc, 4)
+    wait_serving(proc, dir_has_files(tmp_path / "s"))
+    time.sleep(0.5)
     t0 = time.monotonic()
     for _ in range(presses):
         proc.send_signal(signal.SIGINT)

@@ -77,3 +77,18 @@ def test_timeline_from_a_real_log(tmp_path, capsys):
     rids = {json.loads(s)["rid"] for s in log.read_text().splitlines() if '"rid"' in s}
     assert {x.split("#")[0] for x in labels(svg)} == rids
     assert main(["audit", str(log), "--timeline", str(tmp_path / "t.png")]) == 2
+
+
+def test_a_truncated_timeline_fits_its_axis_to_the_rows_drawn():
+    import re
+
+    r = many(30)
+
+    def span(svg):
+        return float(re.search(r"copies, ([0-9.]+) ms", svg).group(1))
+
+    full, cut = span(render_svg(r)), span(render_svg(r, max_rows=10))
+    assert cut < full / 2, (cut, full)          # 10 of 30 sequential requests: about a third of the time
+    assert "the axis covers the rows shown" in render_svg(r, max_rows=10)
+    last_ms = max(int(n) for n in re.findall(r", (\d+), \d+$", render_mermaid(r, max_rows=10), re.M))
+    assert last_ms <= cut + 1
