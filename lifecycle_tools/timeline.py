@@ -76,32 +76,19 @@ def _segments(life, t_end: float):
     return out
 
 
-def render_svg(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 100) -> str:
-    """The timeline as an SVG document (a string)."""
-    lives, hidden = _rows(r, max_rows)
-    t0, t1 = _span(r, lives, hidden)
-    span_ms = max((t1 - t0) * 1000, 1e-3)
-    width = LABEL_W + PLOT_W + RIGHT
-    height = TOP + ROW_H * max(len(lives), 1) + BOTTOM
-    bad_rids = {v.rid for v in r.violations}
+class _Plot:
+    """Maps times to x: ``t0`` at the plot's left edge, ``span_ms`` across its width."""
 
-    def x(t: float) -> float:
-        return LABEL_W + (t - t0) * 1000 / span_ms * PLOT_W
+    def __init__(self, t0: float, t1: float) -> None:
+        self.t0, self.t1 = t0, t1
+        self.span_ms = max((t1 - t0) * 1000, 1e-3)
 
-    o = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="11">',
-        f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>',
-    ]
-    sub = f"{len(r.lifecycles)} lifecycles, {len(r.chunks)} copies, {span_ms:.1f} ms"
-    if hidden:
-        sub += f" — first {len(lives)} shown, {hidden} more not drawn; the axis covers the rows shown"
-    if r.violations:
-        sub += f" — {len(r.violations)} violations"
-    o.append(f'<text x="10" y="18" font-size="14" font-weight="bold">{escape(title)}</text>')
-    o.append(f'<text x="10" y="34" fill="#444">{escape(sub)}</text>')
-    # legend
-    lx = 10
+    def x(self, t: float) -> float:
+        return LABEL_W + (t - self.t0) * 1000 / self.span_ms * PLOT_W
+
+
+def _legend() -> list[str]:
+    o, lx = [], 10
     items = [(n, c, "bar") for n, c in COLORS.items()] + [
         ("copy in flight (D2H)", COPY_COLOR, "thin"), ("storage write", STORE_COLOR, "thin"),
         ("released", RELEASE_COLOR, "tick"), ("retracted, waiting to be readmitted", "#888", "dash")]
@@ -116,8 +103,12 @@ def render_svg(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 
             o.append(f'<rect x="{lx + 6}" y="42" width="2" height="14" fill="{color}"/>')
         o.append(f'<text x="{lx + 18}" y="53">{escape(name)}</text>')
         lx += 30 + 7.0 * len(name)
-    # axis and grid
-    plot_top, plot_bot = TOP - 6, TOP + ROW_H * max(len(lives), 1)
+    return o
+
+
+def _axis(plot: _Plot, rows: int) -> list[str]:
+    o, span_ms = [], plot.span_ms
+    plot_top, plot_bot = TOP - 6, TOP + ROW_H * max(rows, 1)
     for v in _ticks(span_ms):
         gx = LABEL_W + v / span_ms * PLOT_W
         o.append(f'<line x1="{gx:.1f}" y1="{plot_top}" x2="{gx:.1f}" y2="{plot_bot}" stroke="#e3e3e3"/>')
@@ -125,39 +116,70 @@ def render_svg(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 
         o.append(f'<text x="{gx:.1f}" y="{plot_bot + 13}" text-anchor="middle" fill="#555" font-size="10">{_fmt_ms(v)}</text>')
     o.append(f'<text x="{LABEL_W + PLOT_W / 2}" y="{plot_bot + 30}" text-anchor="middle" fill="#333">'
              'time since the first event (ms)</text>')
-    # rows
+    return o
+
+
+def _copies(life, plot: _Plot, yb: float) -> list[str]:
+    o, x = [], plot.x
+    for c in life.chunks:
+        b = c.landed_t if c.landed_t is not None else plot.t1
+        tip = f"{life.label}: copy ack {c.ack_id} [{c.start}, {c.end}) {(b - c.enq_t) * 1e3:.2f} ms"
+        o.append(f'<rect x="{x(c.enq_t):.2f}" y="{yb + BAR_H - 1:.1f}" width="{max(x(b) - x(c.enq_t), 1.0):.2f}" '
+                 f'height="4" fill="{COPY_COLOR}"><title>{escape(tip)}</title></rect>')
+        if c.landed_t is not None and c.stored_t is not None:
+            w = max(x(c.stored_t) - x(c.landed_t), 1.0)
+            tip = f"{life.label}: storage of ack {c.ack_id} {(c.stored_t - c.landed_t) * 1e3:.2f} ms"
+            o.append(f'<rect x="{x(c.landed_t):.2f}" y="{yb - 3:.1f}" width="{w:.2f}" height="4" '
+                     f'fill="{STORE_COLOR}"><title>{escape(tip)}</title></rect>')
+    return o
+
+
+def _row(i: int, life, plot: _Plot, width: int, bad: bool) -> list[str]:
+    o, x, t0 = [], plot.x, plot.t0
+    y = TOP + i * ROW_H
+    yb = y + (ROW_H - BAR_H) / 2
+    if i % 2:
+        o.append(f'<rect x="0" y="{y}" width="{width}" height="{ROW_H}" fill="#f7f7f7" fill-opacity="0.6"/>')
+    label = life.label if len(life.label) <= 22 else life.label[:21] + "…"
+    o.append(f'<text x="{LABEL_W - 6}" y="{y + ROW_H - 5}" text-anchor="end" fill="{BAD_COLOR if bad else "#222"}">'
+             f'{escape(label)}</text>')
+    for state, a, b in _segments(life, life.end_t if life.end_t is not None else plot.t1):
+        w = max(x(b) - x(a), 0.6 if state != "OFFLOADING" else 1.0)
+        tip = f"{life.label}: {state} {(a - t0) * 1e3:.2f} - {(b - t0) * 1e3:.2f} ms"
+        o.append(f'<rect x="{x(a):.2f}" y="{yb:.1f}" width="{w:.2f}" height="{BAR_H}" '
+                 f'fill="{COLORS.get(state, "#999")}"><title>{escape(tip)}</title></rect>')
+    o += _copies(life, plot, yb)
+    if life.end_t is not None:
+        back = life.history[-1][0]
+        if life.readmitted and back > life.end_t:
+            tip = f"{life.label}: released (retracted), readmitted {(back - life.end_t) * 1e3:.1f} ms later"
+            o.append(f'<line x1="{x(life.end_t):.2f}" y1="{y + ROW_H / 2:.1f}" x2="{x(back):.2f}" '
+                     f'y2="{y + ROW_H / 2:.1f}" stroke="#888" stroke-dasharray="3,2"><title>{escape(tip)}</title></line>')
+        o.append(f'<rect x="{x(life.end_t) - 1:.2f}" y="{y + 2}" width="2" height="{ROW_H - 4}" '
+                 f'fill="{RELEASE_COLOR}"><title>{escape(life.label)} released</title></rect>')
+    return o
+
+
+def render_svg(r: Replay, title: str = "kv-lifecycle timeline", max_rows: int = 100) -> str:
+    """The timeline as an SVG document (a string)."""
+    lives, hidden = _rows(r, max_rows)
+    plot = _Plot(*_span(r, lives, hidden))
+    width = LABEL_W + PLOT_W + RIGHT
+    height = TOP + ROW_H * max(len(lives), 1) + BOTTOM
+    o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+         f'viewBox="0 0 {width} {height}" font-family="DejaVu Sans, Helvetica, Arial, sans-serif" font-size="11">',
+         f'<rect x="0" y="0" width="{width}" height="{height}" fill="white"/>']
+    sub = f"{len(r.lifecycles)} lifecycles, {len(r.chunks)} copies, {plot.span_ms:.1f} ms"
+    if hidden:
+        sub += f" — first {len(lives)} shown, {hidden} more not drawn; the axis covers the rows shown"
+    if r.violations:
+        sub += f" — {len(r.violations)} violations"
+    o.append(f'<text x="10" y="18" font-size="14" font-weight="bold">{escape(title)}</text>')
+    o.append(f'<text x="10" y="34" fill="#444">{escape(sub)}</text>')
+    o += _legend() + _axis(plot, len(lives))
+    bad_rids = {v.rid for v in r.violations}
     for i, life in enumerate(lives):
-        y = TOP + i * ROW_H
-        yb = y + (ROW_H - BAR_H) / 2
-        if i % 2:
-            o.append(f'<rect x="0" y="{y}" width="{width}" height="{ROW_H}" fill="#f7f7f7" fill-opacity="0.6"/>')
-        color = BAD_COLOR if life.rid in bad_rids else "#222"
-        label = life.label if len(life.label) <= 22 else life.label[:21] + "…"
-        o.append(f'<text x="{LABEL_W - 6}" y="{y + ROW_H - 5}" text-anchor="end" fill="{color}">{escape(label)}</text>')
-        end = life.end_t if life.end_t is not None else t1
-        for state, a, b in _segments(life, end):
-            w = max(x(b) - x(a), 0.6 if state != "OFFLOADING" else 1.0)
-            tip = f"{life.label}: {state} {(a - t0) * 1e3:.2f} - {(b - t0) * 1e3:.2f} ms"
-            o.append(f'<rect x="{x(a):.2f}" y="{yb:.1f}" width="{w:.2f}" height="{BAR_H}" '
-                     f'fill="{COLORS.get(state, "#999")}"><title>{escape(tip)}</title></rect>')
-        for c in life.chunks:
-            b = c.landed_t if c.landed_t is not None else t1
-            w = max(x(b) - x(c.enq_t), 1.0)
-            tip = f"{life.label}: copy ack {c.ack_id} [{c.start}, {c.end}) {(b - c.enq_t) * 1e3:.2f} ms"
-            o.append(f'<rect x="{x(c.enq_t):.2f}" y="{yb + BAR_H - 1:.1f}" width="{w:.2f}" height="4" '
-                     f'fill="{COPY_COLOR}"><title>{escape(tip)}</title></rect>')
-            if c.landed_t is not None and c.stored_t is not None:
-                w = max(x(c.stored_t) - x(c.landed_t), 1.0)
-                tip = f"{life.label}: storage of ack {c.ack_id} {(c.stored_t - c.landed_t) * 1e3:.2f} ms"
-                o.append(f'<rect x="{x(c.landed_t):.2f}" y="{yb - 3:.1f}" width="{w:.2f}" height="4" '
-                         f'fill="{STORE_COLOR}"><title>{escape(tip)}</title></rect>')
-        if life.end_t is not None:
-            if life.readmitted and life.history[-1][0] > life.end_t:
-                tip = f"{life.label}: released (retracted), readmitted {(life.history[-1][0] - life.end_t) * 1e3:.1f} ms later"
-                o.append(f'<line x1="{x(life.end_t):.2f}" y1="{y + ROW_H / 2:.1f}" x2="{x(life.history[-1][0]):.2f}" '
-                         f'y2="{y + ROW_H / 2:.1f}" stroke="#888" stroke-dasharray="3,2"><title>{escape(tip)}</title></line>')
-            o.append(f'<rect x="{x(life.end_t) - 1:.2f}" y="{y + 2}" width="2" height="{ROW_H - 4}" '
-                     f'fill="{RELEASE_COLOR}"><title>{escape(life.label)} released</title></rect>')
+        o += _row(i, life, plot, width, life.rid in bad_rids)
     o.append("</svg>")
     return "\n".join(s for s in o if s) + "\n"
 
