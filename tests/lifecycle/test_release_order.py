@@ -1,11 +1,12 @@
-"""Release order: a request's slots are read from its row *before* the row goes back to the pool.
+"""Release order: a request's slots are freed, and read from its row, *before* the row goes back.
 
 A real ``ReqToTokenPool`` hands a freed row to the next request, which writes its own slots into
 it (SGLang's scheduler admits from the waiting queue right after a release; a debug pool poisons
 the row instead). A release that frees the row first and then reads the slots from it frees the
-new owner's KV, or garbage, instead of its own. The strict doubles cannot see this (their
-``free(req)`` leaves the row intact), so these tests use the real ``transfer`` pool and allocator
-with a row pool that really recycles (or poisons) what it is given back.
+new owner's KV, or garbage, instead of its own. The spec (and ``ReleaseSink.free``) frees the
+slots, then the row; the pool below checks that order when the row comes back. The strict
+doubles cannot see any of this (their ``free(req)`` leaves the row intact), so these tests use the
+real ``transfer`` pool and allocator with a row pool that really recycles (or poisons) its rows.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class RecyclingRowPool(ReqToTokenPool):
         super().__init__(ROWS, WIDTH)
         self.allocator, self.mode = allocator, mode
         self.successors: list[tuple[int, torch.Tensor]] = []  # (row, slots) of the next owners
+        self.available_at_row_free: int | None = None
 
     def admit(self, n_tokens: int) -> tuple[int, torch.Tensor]:
         row = self.alloc()
@@ -41,6 +43,7 @@ class RecyclingRowPool(ReqToTokenPool):
 
     def free(self, req) -> None:
         row = req.kv.req_pool_idx
+        self.available_at_row_free = self.allocator.available_size()  # slots must be free by now
         super().free(req)
         if self.mode == "poison":
             self.req_to_token[row].fill_(-1)
@@ -71,6 +74,7 @@ def assert_released_exactly(alloc, pool, own_slots, free_before):
     assert not alloc._pages.is_held(own_pages), "the released request's pages are still held"
     for _, slots in pool.successors:
         assert alloc._pages.is_held(torch.unique(slots // ps)), "the next owner's KV was freed"
+    assert pool.available_at_row_free == free_before + own_pages.numel() * ps, "row freed before its slots"
     successor_slots = sum(s.numel() for _, s in pool.successors)
     assert alloc.available_size() == free_before + own_pages.numel() * ps - successor_slots
     alloc.check_integrity()
@@ -130,6 +134,7 @@ def test_quarantined_release_frees_only_own_unquarantined_slots():
     assert alloc._pages.is_held(torch.unique(reading // page_size))  # quarantined, not freed
     unquarantined = own[~torch.isin(own, reading)]
     assert not alloc._pages.is_held(torch.unique(unquarantined // page_size))
+    assert pool.available_at_row_free == free_before + unquarantined.numel(), "row freed before its slots"
     assert alloc.available_size() == free_before + unquarantined.numel() - successor.numel()
     off.land([1])                                # the stuck copy ends: its slots come back
     mgr.check_offload_progress()
