@@ -274,9 +274,10 @@ def test_exists_counts_only_our_pages_and_set_repairs_foreign_values(redis_url):
 
 def test_decode_survives_server_outage_and_recovers(make_redis_server):
     server = make_redis_server()
-    stack = build_stack(LAYERS, HEADS, DIM, torch.bfloat16, PS, 256, 128, ROWS, MAX_LEN,
-                        storage=server.url, model_name="org/tiny")
-    stack.storage._client.connection_pool.connection_kwargs["socket_timeout"] = 1.0
+    clock = Clock()  # the circuit breaker's backoff runs on the test's clock
+    store = RedisStorage(server.url, hashing.storage_suffix("org/tiny"), socket_timeout_s=1.0,
+                         breaker=CircuitBreaker("test", clock=clock))
+    stack = build_stack(LAYERS, HEADS, DIM, torch.bfloat16, PS, 256, 128, ROWS, MAX_LEN, storage=store)
     alloc0, host0, rows0 = (stack.allocator.available_size(), stack.host_pool.available_size(),
                             stack.req_to_token_pool.available_size())
     sch = Scheduler(stack)
@@ -306,6 +307,7 @@ def test_decode_survives_server_outage_and_recovers(make_redis_server):
         assert len(failures) == st.storage_failed
         assert all("StorageUnavailable" in e["error"] for e in failures[-3:])
         assert any(e["event"] == "redis_storage.unavailable" for e in logs)
+        assert [e["event"] for e in logs].count("storage.tier_down") == 1  # once per outage
         # nothing leaked, nothing held: GPU slots, host pages, rows all back; every request released
         assert stack.allocator.available_size() == alloc0
         assert stack.host_pool.available_size() == host0
@@ -320,6 +322,7 @@ def test_decode_survives_server_outage_and_recovers(make_redis_server):
 
         # phase 3: the server is back on the same port (empty: no persistence); writes work again
         server.start()
+        clock.t += 3600  # the breaker's backoff elapsed: the next write probes and closes it
         failed_before, ok_before = st.storage_failed, st.storage_ok
         d = sch.admit(4, list(range(400, 406)), 7)
         for t in range(10):
