@@ -263,6 +263,11 @@ class DecodeOffloadManager(CallGate):
         when finished requests seem to hold slots too long. Polls nothing."""
         return integrity.pending(self)
 
+    @property
+    def closed(self) -> bool:
+        """True after ``shutdown``."""
+        return self._gate == CLOSED
+
     def idle(self) -> bool:
         """True when no copy and no storage op is in flight and nothing awaits settling."""
         return not (self._ongoing or self._storage_ops or self._landed or self._stored or self._expired)

@@ -108,10 +108,12 @@ def hashes(rid, tokens, page_size: int, prior, offset: int) -> list[str]:
         try:
             t = operator.index(t)
         except TypeError:
-            t = None
+            t, shown = None, repr(t)
+        else:
+            shown = str(t)
         if t is None or not 0 <= t <= 0xFFFFFFFF:
             raise InvalidToken(
-                f"request {rid!r}: token id {tokens[i]!r} at position {offset + i} is not an int in 0..2**32-1"
+                f"request {rid!r}: token id {shown} at position {offset + i} is not an int in 0..2**32-1"
             ) from None
         clean.append(t)
     return page_hashes(clean, page_size, prior)

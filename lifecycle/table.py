@@ -110,7 +110,7 @@ class Offloaders:
         entry = self._by_id.get(id(offloader))
         if entry is not None:
             off, owner = entry[0](), entry[1]()
-            if off is offloader and owner is not None and owner is not mgr and not owner._closed:
+            if off is offloader and owner is not None and owner is not mgr and not owner.closed:
                 raise ConfigError(
                     "this offloader already serves another DecodeOffloadManager; give each manager its own "
                     "(their ack ids and completions would mix)"

@@ -65,7 +65,8 @@ class World:
         """A deep copy that shares what the model never mutates (tensors) and copies int containers flat."""
         memo = {}
         m, off, pools = self.mgr, self.off, self.pools
-        tensors = [pools.req_to_token, *off.pending_writes.values(), *(h for h, _ in off.pending_storage.values()),
+        memo[id(pools.req_to_token)] = pools.req_to_token.clone()  # rows are poisoned when freed
+        tensors = [*off.pending_writes.values(), *(h for h, _ in off.pending_storage.values()),
                    *(c.host for c in m._ongoing.values()), *(o.host for o in m._storage_ops.values())]
         for t in tensors:
             memo[id(t)] = t
