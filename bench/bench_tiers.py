@@ -69,13 +69,20 @@ def get_all(store, keys, out) -> float:
 
 
 def worker(spec: str, nbytes: int, n: int, tag: str, mode: str) -> None:
-    """Child process: ``write`` pages under ``tag`` and exit, or ``setget`` and print timings."""
+    """Child process: ``write`` pages under ``tag`` and exit; or ``setget``: say ``ready``, wait for a
+    line on stdin, write then read back, print the timings, and stay (its segment holds others'
+    objects) until stdin closes."""
     store = open_storage(spec, SUFFIX, nbytes)
     try:
         pool, keys = make_pages(nbytes, n, hash(tag) & 0xFFFF), keys_for(tag, n)
+        if mode == "setget":
+            print("ready", flush=True)
+            sys.stdin.readline()
         t_set = put_all(store, keys, pool)
         t_get = get_all(store, keys, torch.empty_like(pool)) if mode == "setget" else 0.0
         print(json.dumps({"set": t_set, "get": t_get}), flush=True)
+        if mode == "setget":
+            sys.stdin.read()
     finally:
         store.close(**({"wait": True} if spec.startswith("mooncake://") else {}))
 
@@ -83,7 +90,7 @@ def worker(spec: str, nbytes: int, n: int, tag: str, mode: str) -> None:
 def run_worker(spec: str, nbytes: int, n: int, tag: str, mode: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, __file__, "--worker", spec, str(nbytes), str(n), tag, mode],
-                            stdout=subprocess.PIPE, text=True, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
 class Tiers:
@@ -133,7 +140,7 @@ def one_rep(tiers: Tiers, stores: dict, nbytes: int, n: int, rep: int) -> dict[s
         assert torch.equal(out[-1], pool[-1])
         drop(store, keys)
         child = run_worker(tiers.cross[name], nbytes, n, "x" + tag, "write")
-        child.communicate(timeout=300)
+        child.communicate("", timeout=300)
         assert child.returncode == 0, f"{name} writer failed"
         reader = stores["cross:" + name]
         xkeys = keys_for("x" + tag, n)
@@ -177,7 +184,14 @@ def scale_table(tiers: Tiers, reps: int, total: int, nbytes: int = 1 << 20) -> N
         for rep in range(reps):
             procs = [run_worker(spec, nbytes, n, f"scale{clients}-{rep}-{c}-{time.time_ns()}", "setget")
                      for c in range(clients)]
-            times = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+            for p in procs:  # all set up (setup holds the GIL for a while), then all start together
+                assert p.stdout.readline().strip() == "ready", "a client did not start"
+            for p in procs:
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            times = [json.loads(p.stdout.readline()) for p in procs]
+            for p in procs:  # everyone has read its pages: segments may go
+                p.communicate(timeout=120)
             # processes run concurrently: aggregate over the slowest one's time
             sets.append(clients * n * nbytes / max(t["set"] for t in times) / 1e9)
             gets.append(clients * n * nbytes / max(t["get"] for t in times) / 1e9)

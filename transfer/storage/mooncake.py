@@ -8,9 +8,11 @@ reads our pages and we read its pages.
 **Integrity, and the trade-off.** A header in front of the bytes would make our objects unreadable
 to SGLang (it reads exactly ``page_size * layers * heads * dim * itemsize`` bytes per object).
 Instead each page we write gets a second, 104-byte object, ``{prefix}_{hash}_{tp}_kvlp``: the seal
-of ``transfer.storage.integrity`` over the whole page (name, format, XXH3-128 of K||V). The seal is
-written *before* the page objects and a page whose seal write failed is not written, so a page of
-ours is never visible without its seal. A read fetches the objects and the seal in one batch and
+of ``transfer.storage.integrity`` over the whole page (name, format, XXH3-128 of K||V). The seal
+goes in the same ``batch_put_from`` as the page objects (per-object cost dominates small pages),
+and a page whose seal write failed has its objects removed again, so no page of ours stays
+without its seal (a reader in between sees a complete page without one: served as unverified, or
+a miss in strict mode — never wrong bytes). A read fetches the objects and the seal in one batch and
 serves the page only when the seal verifies; a corrupt page is a miss and is removed. A page with
 no seal (written by SGLang) is served and counted ``unverified`` (a warning the first time), or
 is a miss with ``require_checksum``. Costs: one more object per page on the master and in each
@@ -220,28 +222,35 @@ class MooncakeStorage(Storage):
         return results
 
     def _put_pages(self, store, keys, pages, objects, todo: list[int]) -> list[bool]:
+        """One ``batch_put_from`` of every page's objects, each page's seal object with them
+        (one round of transfers: per-object cost dominates small pages). A page whose seal was
+        not stored has its objects removed again, so no page of ours stays without a seal."""
         seals = torch.zeros(len(todo) * _SLOT, dtype=torch.uint8)
+        sealed = self.settings.seal
+        groups, ptrs, sizes = [], [], []
+        for j, i in enumerate(todo):
+            group = list(objects[i])
+            slices = self._slices(pages[i])
+            if sealed:
+                data = pages[i].reshape(-1).view(torch.uint8).numpy()
+                stamp = seal(self.naming.page_name(keys[i]), self._format(pages[i]), data)
+                seals.numpy()[j * _SLOT:j * _SLOT + SEAL_NBYTES] = memoryview(stamp)
+                group.append(self.naming.seal_object(keys[i]))
+                slices.append((seals.data_ptr() + j * _SLOT, SEAL_NBYTES))
+            groups.append(group)
+            ptrs += [p for p, _ in slices]
+            sizes += [n for _, n in slices]
         with self._buffers.registered([seals] + [pages[i] for i in todo]):
-            ok = [True] * len(todo)
-            if self.settings.seal:
-                raw = seals.numpy()
-                for j, i in enumerate(todo):
-                    data = pages[i].reshape(-1).view(torch.uint8).numpy()
-                    name = self.naming.page_name(keys[i])
-                    raw[j * _SLOT:j * _SLOT + SEAL_NBYTES] = memoryview(seal(name, self._format(pages[i]), data))
-                base = seals.data_ptr()
-                codes = store.batch_put_from([self.naming.seal_object(keys[i]) for i in todo],
-                                             [base + j * _SLOT for j in range(len(todo))],
-                                             [SEAL_NBYTES] * len(todo), self._put_config)
-                ok = self._put_codes(codes, [[self.naming.seal_object(keys[i])] for i in todo])
-            go = [i for i, good in zip(todo, ok) if good]
-            if go:
-                names = [o for i in go for o in objects[i]]
-                slices = [s for i in go for s in self._slices(pages[i])]
-                codes = store.batch_put_from(names, [p for p, _ in slices], [n for _, n in slices],
-                                             self._put_config)
-                done = iter(self._put_codes(codes, [objects[i] for i in go]))
-                ok = [good and next(done) for good in ok]
+            codes = store.batch_put_from([o for g in groups for o in g], ptrs, sizes, self._put_config)
+        ok = self._put_codes(codes, groups)
+        if sealed:
+            pos = 0
+            for j, group in enumerate(groups):
+                *page_codes, seal_code = codes[pos:pos + len(group)]
+                pos += len(group)
+                if not ok[j] and seal_code not in (conn.OK, conn.EXISTS) and any(
+                        c in (conn.OK, conn.EXISTS) for c in page_codes):
+                    self._remove(store, keys[todo[j]])
         self._count(stored=sum(ok))
         return ok
 
