@@ -55,19 +55,20 @@ def offloader_run(steps: int, batch: int, chunk_pages: int, gap_s: float) -> tup
     """Time inside (write + finished_writes) and inside free_host, over ``steps * batch`` chunks."""
     slots = (batch * chunk_pages + 1) * PAGE
     kv = KVPool(2, 1, 8, torch.float16, slots)
-    host = HostPool(2, 1, 8, torch.float16, PAGE, 4 * batch * chunk_pages * PAGE, pin=False)
+    host = HostPool(2, 1, 8, torch.float16, PAGE, 16 * batch * chunk_pages * PAGE, pin=False)
     off = HostOffloader(kv, host, MemoryStorage("_b_0_1", host.page_nbytes), copy_engine=CpuCopyEngine(2))
     chunk = chunk_pages * PAGE
     indices = [torch.arange(PAGE + i * chunk, PAGE + (i + 1) * chunk) for i in range(batch)]
     hosts: dict[int, torch.Tensor] = {}
     enq, free = _Clocks(), _Clocks()
-    ack = 0
+    ack = rejected = 0
     for _ in range(steps):
         got = []
         with enq:
             for i in range(batch):
                 got.append(off.write(indices[i], ack + i))
-        hosts.update(zip(range(ack, ack + batch), got))
+        hosts.update((a, h) for a, h in zip(range(ack, ack + batch), got) if h is not None)
+        rejected += sum(h is None for h in got)
         ack += batch
         time.sleep(gap_s)
         with enq:
@@ -80,6 +81,8 @@ def offloader_run(steps: int, batch: int, chunk_pages: int, gap_s: float) -> tup
             off.free_host(hosts.pop(done))
         time.sleep(0.001)
     off.close()
+    if rejected:
+        print(f"note: {rejected} writes found the host pool full (copies lagging behind)", file=sys.stderr)
     return enq, free
 
 

@@ -50,7 +50,7 @@ class PagedTokenAllocator:
         if n_tokens < 0:
             raise ValueError(f"cannot allocate {n_tokens} tokens")
         pages = self._pages.alloc(-(-n_tokens // self.page_size))
-        return None if pages is None else slots_of_pages(pages, self.page_size)
+        return None if pages is None else slots_of_pages(pages, self.page_size, ascending=True)
 
     def free(self, indices: torch.Tensor) -> int:
         """Free every page any of ``indices`` lies on (each page once, however often it appears).

@@ -39,7 +39,7 @@ from transfer.errors import (
     BadIndices, Closed, HostPagesBusy, NotAllocated, StorageError, TransferError, UnknownId,
 )
 from transfer.host_pool import HostPool
-from transfer.indices import as_index_tensor, page_ids, slots_of_pages
+from transfer.indices import as_index_tensor, pages_of_slots, slots_of_pages
 from transfer.kv_pool import KVPool
 from transfer.log import get_logger
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
@@ -148,7 +148,7 @@ class HostOffloader:
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
         slots = as_index_tensor(device_indices, "device indices")
-        n_pages = page_ids(slots, self.page_size, "device indices", self.kv.slots).shape[0]
+        n_pages = pages_of_slots(slots.numpy(), self.page_size, "device indices", self.kv.slots).shape[0]
         if n_pages == 0:
             raise BadIndices("a write needs at least one page")
         pages = self.host.alloc_pages(n_pages)
@@ -169,7 +169,7 @@ class HostOffloader:
             self._deadlines[ack_id] = self._clock() + self.write_timeout_s
         self._landing.update(host_pages)
         self._stats.writes += 1
-        return slots_of_pages(pages, self.page_size)
+        return slots_of_pages(pages, self.page_size, ascending=True)
 
     def _rejected(self, ack_id: int, n_pages: int) -> None:
         """Count a write refused for want of host pages; warn at most once per interval."""

@@ -85,10 +85,11 @@ class HostPool:
         if n_tokens < 0:
             raise ValueError(f"cannot allocate {n_tokens} tokens")
         pages = self._pages.alloc(-(-n_tokens // self.page_size))
-        return None if pages is None else slots_of_pages(pages, self.page_size)
+        return None if pages is None else slots_of_pages(pages, self.page_size, ascending=True)
 
     def alloc_pages(self, n_pages: int) -> np.ndarray | None:
-        """Allocate ``n_pages`` pages. Returns their ids (int64 numpy), or None when short."""
+        """Allocate ``n_pages`` pages. Returns their ids (int64 numpy, strictly increasing), or None
+        when short."""
         return self._pages.alloc(n_pages)
 
     def page_ids(self, indices: torch.Tensor) -> np.ndarray:

@@ -28,14 +28,20 @@ def as_index_tensor(indices: torch.Tensor, what: str = "indices") -> torch.Tenso
         raise BadIndices(f"{what} must have an integer dtype, got {indices.dtype}")
     if indices.dim() != 1:
         raise BadIndices(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.dtype is torch.int64 and indices.device.type == "cpu":
+        return indices  # already what we want: no ``.to`` call on the hot path
     return indices.to(device="cpu", dtype=torch.int64)
 
 
-def slots_of_pages(pages: torch.Tensor | np.ndarray, page_size: int) -> torch.Tensor:
-    """Every token slot of ``pages`` (int64 tensor), page by page in order."""
+def slots_of_pages(pages: torch.Tensor | np.ndarray, page_size: int, ascending: bool = False) -> torch.Tensor:
+    """Every token slot of ``pages`` (int64 tensor), page by page in order.
+
+    ``ascending=True`` promises the ids strictly increase (what ``PageSet.alloc`` returns), so one
+    run of consecutive pages is recognised from its ends alone.
+    """
     p = pages.numpy() if isinstance(pages, torch.Tensor) else pages
     n = p.shape[0]
-    if n and int(p[-1]) - int(p[0]) == n - 1 and (n < 3 or bool((p[1:] > p[:-1]).all())):
+    if n and int(p[-1]) - int(p[0]) == n - 1 and (ascending or n < 3 or bool((p[1:] > p[:-1]).all())):
         first = int(p[0]) * page_size  # one run of consecutive pages (what the pools hand out)
         return torch.from_numpy(np.arange(first, first + n * page_size, dtype=np.int64))
     return torch.from_numpy((p.reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1))
@@ -57,7 +63,11 @@ def page_ids(
         BadIndices: not an integer 1-D tensor, length not a multiple of ``page_size``, a page not
             laid out as ``[p*page_size, ..., p*page_size + page_size - 1]``, or out of range.
     """
-    a = as_index_tensor(indices, what).numpy()
+    return pages_of_slots(as_index_tensor(indices, what).numpy(), page_size, what, end)
+
+
+def pages_of_slots(a: np.ndarray, page_size: int, what: str = "indices", end: int | None = None) -> np.ndarray:
+    """``page_ids`` of slots already as a 1-D int64 numpy array (see ``page_ids``)."""
     n = a.shape[0]
     if n % page_size:
         raise BadIndices(f"{what}: {n} slots is not a whole number of pages of {page_size}")

@@ -47,7 +47,7 @@ class PageSet:
         """Take ``n_pages`` pages (lowest ids first after a merge).
 
         Returns:
-            int64 page ids (numpy; the caller's to keep), or None (nothing taken) when fewer are free.
+            int64 page ids, strictly increasing (numpy; the caller's to keep), or None (nothing taken) when fewer are free.
         Raises:
             ValueError: ``n_pages`` negative.
         """
