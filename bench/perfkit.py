@@ -33,8 +33,8 @@ class Row(msgspec.Struct):
     note: str = ""
 
 
-def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall seconds of each case, cases run round-robin ``repeats`` times after ``warmup``."""
+def interleaved_times(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall seconds of every run of each case, cases run round-robin ``repeats`` times after ``warmup``."""
     times: dict[str, list[float]] = {k: [] for k in cases}
     for rnd in range(warmup + repeats):
         for name, fn in cases.items():
@@ -43,7 +43,18 @@ def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: in
             dt = time.perf_counter() - t0
             if rnd >= warmup:
                 times[name].append(dt)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved(cases: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall seconds of each case (see ``interleaved_times``)."""
+    return {k: statistics.median(v) for k, v in interleaved_times(cases, repeats, warmup).items()}
+
+
+def best_note(ours: list[float], base: list[float]) -> str:
+    """"best-of ratio X" from run times: fastest baseline run / fastest run of ours (the speed
+    ratio of the best runs, less sensitive than the median to a loaded machine)."""
+    return f"best-of ratio {min(base) / min(ours):.2f}"
 
 
 def machine() -> str:
