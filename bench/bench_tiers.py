@@ -6,8 +6,8 @@ Starts everything it uses on free 127.0.0.1 ports (a ``redis-server``, a 3-maste
 Table 1, per page size (64 KiB, 1 MiB): ``batch_set`` then ``batch_get`` GB/s of ``TOTAL`` bytes
 of page tensors (batches of ``BATCH`` pages, every page sealed and verified), median of ``--reps``
 repetitions after one warm-up, the tiers interleaved in a rotating order within each repetition:
-  * same process: this process writes and reads back (Mooncake: objects in this process's own
-    segment — the client's memory);
+  * same process: this process writes and reads back (Mooncake: ``preferred_segment=local``,
+    so the objects are in this process's own segment — the client's memory);
   * cross process: a child process writes the pages and exits, this process reads them (Mooncake:
     both use no segment of their own, so the objects live on the holder and every byte crosses
     processes over TCP; file: the page cache; Redis: as always, the server process).
@@ -107,7 +107,7 @@ class Tiers:
         self.master = start_master(mooncake_dir())
         self.holder = SegmentHolder(mooncake_dir(), self.master, 1 << 30).start()
         self.same = {"file": f"file:{self.tmp}/same", "redis": self.redis.url, "redis-cluster": self.cluster.url,
-                     "mooncake": self.master.spec(global_segment_size="1GiB")}
+                     "mooncake": self.master.spec(global_segment_size="1GiB", preferred_segment="local")}
         self.cross = {"file": f"file:{self.tmp}/cross", "redis": self.redis.url, "redis-cluster": self.cluster.url,
                       "mooncake": self.master.spec(global_segment_size=0)}
 

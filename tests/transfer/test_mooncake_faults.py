@@ -189,3 +189,21 @@ def test_decode_survives_master_outage_and_recovers(make_mooncake):
     finally:
         sch.mgr.shutdown(force=True)
         stack.close()
+
+
+def test_preferred_local_segment_keeps_pages_when_another_holder_dies(make_mooncake):
+    master = make_mooncake()
+    holder = make_mooncake.holder(master)
+    s = open_storage(master.spec(preferred_segment="local"), "_m_0_1", NB, page_format=MHA)
+    try:
+        keys, pool = fresh_hashes(16), pages(16)
+        assert s.batch_set(keys, list(pool)) == [True] * 16
+        ends = {s._store.get_replica_desc(o)[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+                for k in keys for o in s.naming.objects(k)}
+        assert len(ends) == 1  # 32 objects on one segment (random placement over 2 would split them)
+        holder.kill()
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in keys]
+        assert s.batch_get(keys, out) == [True] * 16 and all(torch.equal(o, p) for o, p in zip(out, pool))
+        assert s.stats().holder_gone == 0
+    finally:
+        s.close()

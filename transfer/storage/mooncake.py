@@ -118,7 +118,7 @@ class MooncakeStorage(Storage):
         _, replicate_cls = conn.import_store()
         self._put_config = replicate_cls()
         self._put_config.replica_num = settings.replica_num
-        if settings.preferred_segment:
+        if settings.preferred_segment and settings.preferred_segment != "local":
             self._put_config.preferred_segments = [settings.preferred_segment]
         if settings.lazy:
             threading.Thread(target=self._connect_forever, name="kv-mooncake-connect", daemon=True).start()
@@ -132,6 +132,8 @@ class MooncakeStorage(Storage):
                 conn.close_quietly(store)
                 return
             self._store, self._buffers = store, BufferRegistry(store)
+            if self.settings.preferred_segment == "local" and self.settings.global_segment_size > 0:
+                self._put_config.preferred_segments = [store.get_hostname()]  # this client's own segment
         log.info("mooncake.connected", master=self.settings.master, hostname=store.get_hostname())
 
     def _connect_forever(self) -> None:

@@ -76,7 +76,8 @@ class MooncakeSettings(msgspec.Struct, frozen=True):
             live on other clients, e.g. a ``mooncake_client`` segment holder).
         local_buffer_size: Mooncake's own staging buffer (unused by the zero-copy path).
         replica_num: copies of each object (>= 1; 2 survives one holder's death).
-        preferred_segment: segment (``host:port`` of a client) to place objects on ('' : any).
+        preferred_segment: segment (``host:port`` of a client) to place objects on ('': any;
+            ``local``: this client's own segment, so a node's own reuse is a memory copy).
         connect_timeout_s: TCP probe of the master. setup_timeout_s: bound on ``setup``.
         exists_timeout_s: deadline of one existence check (it runs on the scheduler thread).
         lazy: do not fail at open when the master is away; connect in the background.
