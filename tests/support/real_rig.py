@@ -26,10 +26,11 @@ class Clock:
 class Rig:
     """Pools, an ``InMemoryOffloader`` (copies land when told) and a manager on them."""
 
-    def __init__(self, page_size=4, stride=None, host_pages=256, rows=4, width=64, offloader=None, **mgr_kw):
+    def __init__(self, page_size=4, stride=None, host_pages=256, rows=4, width=64, offloader=None,
+                 pool=None, alloc=None, **mgr_kw):
         self.page_size = page_size
-        self.alloc = PagedTokenAllocator(rows * width, page_size)
-        self.pool = ReqToTokenPool(rows, width)
+        self.alloc = alloc or PagedTokenAllocator(rows * width, page_size)
+        self.pool = pool or ReqToTokenPool(rows, width)
         self.off = offloader or InMemoryOffloader(page_size=page_size, host_pages=host_pages, auto_land=False)
         self.clock = Clock()
         self.mgr = DecodeOffloadManager(self.pool, self.alloc, page_size=page_size, offloader=self.off,

@@ -1,0 +1,184 @@
+"""The release seam: the plan a release sink receives, rows the plan refuses, pools that refuse.
+
+``ReleasePlan`` and ``ReleaseSink`` are public (an integration passes its own sink), so the plan's
+every field is checked; a row listing a never-written (-1) or repeated slot is refused naming it;
+pools that can tell in advance (``check_free``) refuse a release before anything is freed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from lifecycle import InvalidRequest, State, audit
+from lifecycle.release import AllocatorReleaseSink, ReleaseRefused
+from lifecycle_tools.testkit.doubles import Req
+from tests.support.real_rig import Rig
+from transfer import PagedTokenAllocator, ReqToTokenPool
+
+
+class RecordingSink(AllocatorReleaseSink):
+    def __init__(self, pool, alloc):
+        super().__init__(pool, alloc)
+        self.checked, self.freed = [], []
+
+    def check(self, plan):
+        self.checked.append(plan)
+        super().check(plan)
+
+    def free(self, plan):
+        self.freed.append(plan)
+        super().free(plan)
+
+
+def rig_with_sink(page_size=4):
+    alloc = PagedTokenAllocator(4 * 64, page_size)
+    pool = ReqToTokenPool(4, 64)
+    sink = RecordingSink(pool, alloc)
+    return Rig(page_size, pool=pool, alloc=alloc, release_sink=sink), sink
+
+
+def place(rig, rid, committed, allocated, prompt=None):
+    """A finished request whose row holds ``ceil(allocated / page)`` pages of real slots."""
+    req, slots = rig.admit(rid, committed if prompt is None else prompt, max(allocated, 1))
+    req.kv.kv_committed_len, req.kv.kv_allocated_len = committed, allocated
+    req.finish()
+    return req, slots
+
+
+@pytest.mark.parametrize(
+    "committed,allocated,ranges",
+    [(10, 28, ((0, 10), (12, 28))), (12, 20, ((0, 12), (12, 20))), (10, 12, ((0, 10),)),
+     (0, 8, ((0, 8),)), (0, 0, ())],
+)
+def test_the_sink_gets_one_complete_plan(committed, allocated, ranges):
+    rig, sink = rig_with_sink()
+    req, slots = place(rig, "p", committed, allocated, prompt=8)
+    row = req.kv.req_pool_idx
+    free_before = rig.alloc.available_size()
+    with capture_logs() as logs:
+        rig.mgr.finalize_release_on_finish(req)
+    (plan,) = sink.freed
+    assert sink.checked == [plan]
+    want = sorted({int(slots[p]) for s, e in ranges for p in range(s, e)})
+    assert (plan.req, plan.rid, plan.row, plan.ranges, plan.committed, plan.allocated, plan.quarantined) == (
+        req, "p", row, ranges, committed, allocated, 0)
+    assert plan.slots.dtype == torch.int64 and plan.slots.tolist() == want
+    (rel,) = [e for e in logs if e["event"] == audit.RELEASED]
+    assert (rel["ranges"], rel["slots"], rel["committed"], rel["allocated"]) == (
+        list(ranges), sum(e - s for s, e in ranges), committed, allocated)
+    assert rig.alloc.available_size() == free_before + (-(-allocated // 4) * 4 if allocated else 0)
+    assert req.kv.req_pool_idx is None and rig.mgr.state_of(req) is State.RELEASED
+
+
+def test_the_plan_leaves_out_quarantined_slots_and_counts_them():
+    rig, sink = rig_with_sink()
+    req, slots = rig.admit("q", 8, 16)
+    rig.decode(req, 4)                              # ack 1 reads positions 8..11
+    rig.off.expire([1])
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    rig.progress()
+    (plan,) = sink.freed
+    assert plan.quarantined == 4 and plan.ranges == ((0, 12),)
+    assert plan.slots.tolist() == sorted(int(s) for s in slots[:8])
+
+
+def make_bare(page_size=1):
+    """Pools without ``check_free`` (trusted): the plan's own checks are all that stands."""
+    return Rig(page_size)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_row_listing_a_never_written_slot_is_refused_naming_it(page_size):
+    rig = make_bare(page_size)
+    req, _ = place(rig, "n", 8, 8)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 0] = 0                 # a slot id 0 before the hole
+    rig.pool.req_to_token[row, 5] = -1
+    free_before = rig.alloc.available_size()
+    with pytest.raises(InvalidRequest, match=r"lists slot -1 at a position to free \(ranges \[\(0, 8\)\]\)"):
+        rig.mgr.finalize_release_on_finish(req)
+    assert rig.alloc.available_size() == free_before and req.kv.req_pool_idx == row
+    assert rig.mgr.stats().released == 0
+
+
+def test_a_row_listing_a_slot_twice_is_refused_with_the_count():
+    rig = make_bare()
+    req, _ = place(rig, "d", 8, 8)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 6] = rig.pool.req_to_token[row, 2]
+    rig.pool.req_to_token[row, 7] = rig.pool.req_to_token[row, 3]
+    free_before = rig.alloc.available_size()
+    with pytest.raises(InvalidRequest, match=r"lists 2 slot ids more than once in \[\(0, 8\)\]"):
+        rig.mgr.finalize_release_on_finish(req)
+    assert rig.alloc.available_size() == free_before and req.kv.req_pool_idx == row
+
+
+class CheckingAllocator(PagedTokenAllocator):
+    """The real allocator plus ``check_free``: raises (changing nothing) when a free would fail."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.checks = 0
+
+    def check_free(self, indices):
+        self.checks += 1
+        pages = torch.unique(indices // self.page_size)
+        if not self._pages.is_held(pages):
+            raise ValueError(f"pages {pages.tolist()} are not all held")
+
+
+class CheckingRowPool(ReqToTokenPool):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.checks = 0
+
+    def check_free(self, req):
+        self.checks += 1
+        row = req.kv.req_pool_idx
+        if row is None or not self._held[row]:
+            raise ValueError(f"row {row} is not held")
+
+
+def checking_rig():
+    alloc, pool = CheckingAllocator(4 * 64, 4), CheckingRowPool(4, 64)
+    return Rig(4, pool=pool, alloc=alloc, release_sink=AllocatorReleaseSink(pool, alloc))
+
+
+def test_pools_that_can_tell_are_asked_before_anything_is_freed():
+    rig = checking_rig()
+    req, _ = place(rig, "c", 8, 8)
+    rig.mgr.finalize_release_on_finish(req)
+    assert (rig.alloc.checks, rig.pool.checks) == (1, 1)
+    assert rig.mgr.state_of(req) is State.RELEASED
+
+
+def test_no_slots_to_free_means_no_slot_check():
+    rig = checking_rig()
+    req, _ = place(rig, "e", 0, 0, prompt=8)
+    rig.mgr.finalize_release_on_finish(req)
+    assert (rig.alloc.checks, rig.pool.checks) == (0, 1)
+
+
+def test_a_row_freed_behind_the_managers_back_refuses_the_release_and_frees_no_slot():
+    rig = checking_rig()
+    req, _ = place(rig, "r", 8, 8)
+    row = req.kv.req_pool_idx
+    rig.pool.free(req)                                # someone else freed the row ...
+    req.kv.req_pool_idx = row                         # ... and the request still names it
+    free_before = rig.alloc.available_size()
+    with pytest.raises(ReleaseRefused, match=rf"request 'r': cannot free its row \(row {row}\): row {row} is not"):
+        rig.mgr.finalize_release_on_finish(req)
+    assert rig.alloc.available_size() == free_before and rig.mgr.stats().released == 0
+
+
+def test_slots_freed_behind_the_managers_back_refuse_the_release_and_keep_the_row():
+    rig = checking_rig()
+    req, slots = place(rig, "s", 8, 8)
+    rig.alloc.free(slots[:4])                         # someone else freed a page of it
+    row = req.kv.req_pool_idx
+    with pytest.raises(ReleaseRefused, match=rf"request 's': cannot free its slots \(row {row}\): pages"):
+        rig.mgr.finalize_release_on_finish(req)
+    assert req.kv.req_pool_idx == row and rig.pool._held[row]
