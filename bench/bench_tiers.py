@@ -11,6 +11,8 @@ repetitions after one warm-up, the tiers interleaved in a rotating order within 
   * cross process: a child process writes the pages and exits, this process reads them (Mooncake:
     both use no segment of their own, so the objects live on the holder and every byte crosses
     processes over TCP; file: the page cache; Redis: as always, the server process).
+Baseline row ``mooncake (bare client)``: the Mooncake client alone on the same pages in the same
+process (``RawMooncake``: what SGLang does, without our existence check, seal and verification).
 Table 2: Mooncake aggregate throughput with 1, 2 and 4 client processes sharing one master, each
 contributing a segment (placement is random across segments, so most transfers cross processes),
 each writing then reading its own ``TOTAL`` bytes; aggregate GB/s = all bytes / wall time.
@@ -93,6 +95,47 @@ def run_worker(spec: str, nbytes: int, n: int, tag: str, mode: str) -> subproces
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
+class RawMooncake:
+    """Baseline: the bare Mooncake client on the same pages, as SGLang drives it (K and V halves
+    zero-copy from one registered pool, ``batch_put_from`` / ``batch_get_into``) — no existence
+    check, no seal, no verification, no return-code mapping."""
+
+    def __init__(self, master: str) -> None:
+        from transfer.storage.mooncake_conn import import_store
+
+        store_cls, cfg_cls = import_store()
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        self.store = store_cls()
+        assert self.store.setup("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 0, "tcp", "", master) == 0
+        self.cfg = cfg_cls()
+        self.cfg.preferred_segments = [self.store.get_hostname()]
+        self.registered: list[torch.Tensor] = []
+
+    def _args(self, keys, pages):
+        for t in pages:
+            base = t.untyped_storage()
+            if not any(r.untyped_storage().data_ptr() == base.data_ptr() for r in self.registered):
+                self.store.register_buffer(base.data_ptr(), base.nbytes())
+                self.registered.append(t)
+        half = pages[0].numel() // 2
+        names = [f"{k}_0_{kv}" for k in keys for kv in "kv"]
+        ptrs = [t.data_ptr() + h * half for t in pages for h in (0, 1)]
+        return names, ptrs, [half] * len(names)
+
+    def batch_set(self, keys, pages):
+        return [c == 0 for c in self.store.batch_put_from(*self._args(keys, pages), self.cfg)[::2]]
+
+    def batch_get(self, keys, pages):
+        return [c > 0 for c in self.store.batch_get_into(*self._args(keys, pages))[::2]]
+
+    def delete(self, key):
+        for kv in "kv":
+            self.store.remove(f"{key}_0_{kv}", True)
+
+    def close(self):
+        self.store.close()
+
+
 class Tiers:
     """The servers and the specs of every tier (same process and cross process)."""
 
@@ -128,7 +171,8 @@ def drop(store, keys) -> None:
 
 def one_rep(tiers: Tiers, stores: dict, nbytes: int, n: int, rep: int) -> dict[str, dict[str, float]]:
     """Seconds of set/get per tier, same process and cross process, tiers in a rotating order."""
-    names = list(tiers.same)
+    names = list(stores)
+    names = [x for x in names if not x.startswith("cross:")]
     names = names[rep % len(names):] + names[:rep % len(names)]
     pool, out = make_pages(nbytes, n, rep + 1000), torch.empty(n, nbytes, dtype=torch.uint8)
     res: dict[str, dict[str, float]] = {}
@@ -139,6 +183,9 @@ def one_rep(tiers: Tiers, stores: dict, nbytes: int, n: int, rep: int) -> dict[s
         t_get = get_all(store, keys, out)
         assert torch.equal(out[-1], pool[-1])
         drop(store, keys)
+        if name not in tiers.cross:
+            res[name] = {"set": t_set, "get": t_get, "xget": float("nan")}
+            continue
         child = run_worker(tiers.cross[name], nbytes, n, "x" + tag, "write")
         child.communicate("", timeout=300)
         assert child.returncode == 0, f"{name} writer failed"
@@ -153,6 +200,7 @@ def one_rep(tiers: Tiers, stores: dict, nbytes: int, n: int, rep: int) -> dict[s
 def tier_table(tiers: Tiers, reps: int, total: int) -> None:
     stores = {name: open_storage(spec, SUFFIX, None) for name, spec in tiers.same.items()}
     stores.update({"cross:" + name: open_storage(spec, SUFFIX, None) for name, spec in tiers.cross.items()})
+    stores["mooncake (bare client)"] = RawMooncake(tiers.master.address)
     try:
         print(f"\nTable 1: {total >> 20} MiB per tier per repetition, batches of {BATCH} pages, median of {reps} "
               "(GB/s = 1e9 page bytes/s)")
@@ -162,11 +210,12 @@ def tier_table(tiers: Tiers, reps: int, total: int) -> None:
             n = total // nbytes
             one_rep(tiers, stores, nbytes, n, -1)  # warm-up: connections, registrations, page cache
             runs = [one_rep(tiers, stores, nbytes, n, rep) for rep in range(reps)]
-            for name in tiers.same:
+            for name in [*tiers.same, "mooncake (bare client)"]:
                 med = {m: statistics.median(r[name][m] for r in runs) for m in ("set", "get", "xget")}
                 gb = n * nbytes / 1e9
-                print(f"| {nbytes >> 10} KiB | {name} | {gb / med['set']:.2f} | {gb / med['get']:.2f} | "
-                      f"{gb / med['xget']:.2f} |", flush=True)
+                cross = "-" if med["xget"] != med["xget"] else f"{gb / med['xget']:.2f}"  # nan: not measured
+                print(f"| {nbytes >> 10} KiB | {name} | {gb / med['set']:.2f} | {gb / med['get']:.2f} | {cross} |",
+                      flush=True)
     finally:
         for s in stores.values():
             s.close()
