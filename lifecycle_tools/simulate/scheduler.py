@@ -87,7 +87,8 @@ class Simulator:
         self.calls.rep = rep
         self.enqueue_timer.reset()
         self._rng.seed(self.cfg.seed * 7919 + 17)
-        ps = PassState(rep, iter(chats), total, PageSample(self.cfg.verify, self.cfg.seed, self.ps))
+        ps = PassState(rep, iter(chats), total, PageSample(self.cfg.verify, self.cfg.seed, self.ps),
+                       max_waiting=max(64, 4 * self.max_running))
         ps.before = (self.mgr.stats(), self.stack.offloader.stats(), self.stack.storage.stats(),
                      self.stack.prefix_loader.stats())
         t0 = time.perf_counter()

@@ -64,6 +64,7 @@ class PassState:
     done: int = 0
     step: int = 0
     before: tuple = ()                       # (manager, offloader, storage, prefix) stats at the start
+    max_waiting: int = 256                   # new chats are held upstream while this many wait
     _seq: Iterator[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -73,8 +74,12 @@ class PassState:
         heapq.heappush(self.later, (step, next(self._seq), plan))
 
     def arrivals(self) -> Iterator[Plan]:
-        """Requests arriving by ``step``: new chats, then next turns, in order."""
-        while self.upcoming is not None and self.upcoming.arrival <= self.step:
+        """Requests arriving by ``step``: new chats, then next turns, in order. While
+        ``max_waiting`` requests wait, new chats are held upstream (not even generated yet), as a
+        router holds requests a saturated node cannot queue: memory stays bounded when the
+        workload arrives faster than the node serves it."""
+        while (self.upcoming is not None and self.upcoming.arrival <= self.step
+               and len(self.waiting) < self.max_waiting):
             plan, self.upcoming = self.upcoming, next(self.chats, None)
             yield plan
         while self.later and self.later[0][0] <= self.step:
