@@ -42,8 +42,6 @@ def verdict(trigger: str, src: str, dst: str, inflight: int) -> str | None:
     table = declared_table()
     if dst not in table.get((trigger, src), ()):
         return f"illegal transition {trigger!r} {src} -> {dst} (not in the declared table)"
-    if not hasattr(states, "decide"):
-        return _verdict_by_rows(trigger, src, dst, inflight)
     facts = facts_for(trigger, src, inflight)
     got = states.decide(trigger, facts, table=states.TRANSITIONS, guards=states.GUARDS, refusals=states.REFUSALS)
     if isinstance(got, states.State):
@@ -55,23 +53,3 @@ def verdict(trigger: str, src: str, dst: str, inflight: int) -> str | None:
 def _elsewhere(trigger: str, src: str, dst: str, inflight: int, want: str) -> str:
     return (f"{trigger!r} from {src} with {inflight} copies in flight goes to {want} by the declared table, "
             f"not {dst}")
-
-
-def _names(v) -> list[str]:
-    return [] if v is None else list(v) if isinstance(v, (list, tuple)) else [v]
-
-
-def _verdict_by_rows(trigger: str, src: str, dst: str, inflight: int) -> str | None:
-    """The same walk over the rows for a ``lifecycle.states`` without ``decide`` (its guards:
-    ``copies_in_flight``; ``done`` holds for every logged finish and release)."""
-    guards = {"copies_in_flight": inflight > 0, "done": trigger in ("finish", "release")}
-    failed = None
-    for row in states.TRANSITIONS:
-        if row["trigger"] != trigger or src not in {_name(x) for x in _names(row["source"])}:
-            continue
-        failed = next((g for g in _names(row.get("conditions")) if not guards.get(g, False)), None) or next(
-            (f"!{g}" for g in _names(row.get("unless")) if guards.get(g, True)), None)
-        if failed is None:
-            want = _name(row["dest"])
-            return None if want == dst else _elsewhere(trigger, src, dst, inflight, want)
-    return f"{trigger!r} {src} -> {dst} refused by the declared table (guard {failed}): {inflight} copies in flight"
