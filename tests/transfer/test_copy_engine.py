@@ -138,3 +138,25 @@ def test_pool_views_are_built_once_and_dropped_with_the_pools():
     del kv, v
     gc.collect()
     assert ref() is None  # the cache does not keep a pool alive
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_close_with_a_timeout_never_synchronizes_on_a_long_copy():
+    eng = CudaCopyEngine("cuda")
+    eng.submit("long", lambda: torch.cuda._sleep(int(2e9)))  # ~1 s of GPU time on the copy stream
+    assert eng.unfinished() == ["long"]
+    assert eng.close(timeout=0.01) is False  # returned at the deadline, the kernel still running
+    assert eng.unfinished() == ["long"]
+    assert [d.tag for d in drain(eng.poll, 1)] == ["long"]  # still reported once it ends
+    assert eng.unfinished() == [] and eng.close(timeout=1) is True
+
+
+def test_cpu_engine_close_reports_whether_its_threads_ended():
+    eng = CpuCopyEngine(threads=1)
+    gate = threading.Event()
+    eng.submit("stuck", gate.wait)
+    assert eng.unfinished() == ["stuck"]
+    assert eng.close(timeout=0.01) is False and eng.alive()
+    gate.set()
+    assert [d.tag for d in drain(eng.poll, 1)] == ["stuck"]
+    assert eng.close(timeout=5) is True and eng.unfinished() == []
