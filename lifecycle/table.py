@@ -158,4 +158,10 @@ def deep_copy(mgr, memo):
     for key, value in mgr.__dict__.items():
         if key not in shared and key not in ("_records", "_dropped"):
             new.__dict__[key] = copy.deepcopy(value, memo)
+    if not new.closed:
+        OFFLOADERS.claim(new.offloader, new)  # the copy owns the copied offloader
+    for rec in new._records.values():
+        req = rec.ref()
+        if req is not None and rec.state is not _RELEASED:
+            OWNERS.claim(req, new)
     return new

@@ -7,6 +7,14 @@ then finalize if nothing was enqueued), ``abort`` (finished mid-decode, finalize
 (finalize without finishing), ``readmit`` (a released retracted request returns on a new row);
 and, for the node: the landing of any outstanding copy and the completion of any outstanding
 storage op (each followed by ``check_offload_progress``).
+
+With ``Config(faults=True)`` a buggy or hostile scheduler acts too (issue 10), on every request the
+manager tracks: its row moved without ``readmit`` (``move``), its row cleared (``clear``), a -1 or
+an unallocated slot in what a release would free (``overalloc``), a second manager reaching for it
+(``foreign``), a call made from inside a manager call (``reentrant``); and, for the node, a second
+manager over the same offloader (``shared``) or over an allocator whose page is larger than the
+manager's (``coarse``). Each must raise a ``LifecycleError`` and leave everything observable as it
+was; the scheduler then repairs the cause, so a fault never changes the abstract state.
 """
 
 from __future__ import annotations
@@ -17,9 +25,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from lifecycle import DecodeOffloadManager, InvalidTransition, State
+from lifecycle import ConfigError, DecodeOffloadManager, InvalidTransition, LifecycleError, ReentrantCall, State
 from lifecycle.table import lookup
-from lifecycle_tools.testkit.doubles import Pools, Req, TrackingOffloader
+from lifecycle_tools.testkit.doubles import ROWS, PagedAllocator, Pools, Req, TrackingOffloader
 
 RUNNING = (None, State.PREFILLED, State.INFLIGHT)
 
@@ -33,6 +41,7 @@ class Config:
     host_pages: int = 3
     prompt: int = 6
     aborts: bool = False
+    faults: bool = False
 
 
 @dataclass
@@ -111,6 +120,8 @@ class World:
                 out += [("finish", i), ("retract", i)] + ([("abort", i)] if self.cfg.aborts else [])
             if state is State.RELEASED and self.retracted[i] and not self.readmitted[i] and self.pools.can_alloc():
                 out.append(("readmit", i))
+        if self.cfg.faults:
+            out += self._fault_events()
         out += [("land", self._ack_owner(a)) for a in sorted(self.off.pending_writes)]
         out += [("store", self._op_owner(o)) for o in sorted(self.off.pending_storage)]
         return out
@@ -142,6 +153,8 @@ class World:
             req.kv.req_pool_idx = self.pools.alloc_row()
             self.readmitted[arg] = True
             mgr.readmit(req)
+        elif kind == "fault":
+            self._apply_fault(*arg)
         elif kind == "land":
             ack = next(a for a in self.off.pending_writes if self._ack_owner(a) == arg)
             self.off.land([ack])
@@ -152,6 +165,86 @@ class World:
             mgr.check_offload_progress()
         else:  # pragma: no cover
             raise AssertionError(event)
+
+    # --- a buggy scheduler: every fault is refused with nothing changed, then repaired
+    def _fault_events(self):
+        out = [("fault", ("shared", None)), ("fault", ("coarse", None))]
+        for i, r in enumerate(self.reqs):
+            state = self.mgr.state_of(r)
+            if state is not None and state is not State.RELEASED and r.kv.req_pool_idx is not None:
+                out += [("fault", (kind, i)) for kind in ("move", "clear", "overalloc", "foreign", "reentrant")]
+        return out
+
+    def _apply_fault(self, kind, i):
+        before = self.frozen()
+        req = None if i is None else self.reqs[i]
+        expected = ConfigError if kind in ("shared", "coarse") else LifecycleError
+        with pytest.raises(expected):
+            self._fault(kind, req)
+        assert self.frozen() == before, (kind, i)
+
+    def _fault(self, kind, req):
+        mgr, pools, ps = self.mgr, self.pools, self.cfg.page_size
+        if kind == "shared":
+            DecodeOffloadManager(pools, pools, page_size=ps, offloader=self.off)
+        elif kind == "coarse":
+            DecodeOffloadManager(pools, PagedAllocator(page_size=2 * ps), page_size=ps,
+                                 offloader=TrackingOffloader(page_size=ps, host_pages=1))
+        elif kind == "foreign":
+            other = DecodeOffloadManager(pools, pools, page_size=ps, offloader=TrackingOffloader(page_size=ps, host_pages=1))
+            other.finalize_release_on_finish(req)
+        elif kind == "move":
+            row = req.kv.req_pool_idx
+            req.kv.req_pool_idx = (row + 1) % ROWS
+            try:
+                mgr.finalize_release_on_finish(req)
+            finally:
+                req.kv.req_pool_idx = row
+        elif kind == "reentrant":
+            self._reentrant(req)
+        else:
+            self._corrupt_row(kind, req)
+
+    def _corrupt_row(self, kind, req):
+        """A release of ``req`` over a cleared row, or over a -1 / an unallocated tail slot."""
+        row = self.pools.req_to_token[req.kv.req_pool_idx]
+        saved = row.clone()
+        if kind == "clear":
+            row.zero_()
+        else:
+            committed, allocated = req.kv.kv_committed_len, req.kv.kv_allocated_len
+            tail = -(-committed // self.cfg.page_size) * self.cfg.page_size
+            free = [r for r in self.pools.free_rows if self.pools.held_pages.isdisjoint(self.pools._pages(r))]
+            if tail < allocated and free:
+                row[tail:allocated] = row.new_tensor(range(allocated - tail)) + free[0] * row.numel()
+            else:
+                row[0] = -1
+        was_finished = req._finished
+        req._finished = True
+        try:
+            self.mgr._release_finished_req(req)
+        finally:
+            req._finished = was_finished
+            row.copy_(saved)
+
+    def _reentrant(self, req):
+        """A call into the manager from inside its own ``check_offload_progress`` is refused."""
+        poll, inner = self.off.finished_writes, []
+
+        def meddle():
+            try:
+                self.mgr.finalize_release_on_finish(req)
+            except ReentrantCall as err:
+                inner.append(err)
+            return poll()
+
+        self.off.finished_writes = meddle
+        try:
+            self.mgr.check_offload_progress()
+        finally:
+            del self.off.finished_writes
+        assert len(inner) == 1
+        raise inner[0]
 
     # --- invariants
     def frozen(self):
@@ -208,7 +301,8 @@ def explore(cfg: Config, max_states: int = 200_000):
             w.apply(event)
             k = w.key()
             edges += 1
-            succ[key].append(k)
+            if k != key:  # a refused fault loops back: not a step of a maximal trace
+                succ[key].append(k)
             if k not in traces:
                 w.check()
                 traces[k] = trace + (event,)

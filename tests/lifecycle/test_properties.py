@@ -1,18 +1,28 @@
-"""Random orderings of scheduler calls and completions, checked after every step (hypothesis)."""
+"""Random orderings of scheduler calls and completions, checked after every step (hypothesis).
+
+Besides the scheduler's legal calls, the machine plays a buggy or hostile scheduler (issue 10):
+a row moved or cleared without ``readmit``, an over-allocation listing slots that are not
+allocated, a second manager reaching for a request or for the offloader, a re-entrant call, an
+allocator whose page is larger than the manager's. After each: either success with every invariant
+holding, or a ``LifecycleError`` with everything observable unchanged (then the scheduler repairs
+the cause and the run goes on).
+"""
 
 import gc
 import weakref
 
 import hypothesis.strategies as st
+import msgspec
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hashing import page_hashes
-from lifecycle import DecodeOffloadManager, InvalidTransition, State
+from lifecycle import ConfigError, DecodeOffloadManager, InvalidTransition, LifecycleError, ReentrantCall, State
+from lifecycle import integrity
 from lifecycle.table import lookup
-from lifecycle_tools.testkit.doubles import WIDTH, Pools, Req, TrackingOffloader
+from lifecycle_tools.testkit.doubles import WIDTH, PagedAllocator, Pools, Req, TrackingOffloader
 
 
 class Lifecycles(RuleBasedStateMachine):
@@ -40,7 +50,23 @@ class Lifecycles(RuleBasedStateMachine):
                          for k, r in m._records.items())
         counters = (dict(m._by_name), m._released, m._leaked, m._host_short, m._chunks, m._chunks_landed)
         return (records, counters, set(self.pools.held_pages), list(self.pools.free_rows),
-                sorted(m._ongoing), sorted(m._storage_ops), self.off.host_free_pages())
+                sorted(m._ongoing), sorted(m._storage_ops), self.off.host_free_pages(),
+                self.pools.req_to_token.clone().tolist(), integrity.stats(m))  # stats without draining drops
+
+    def refused(self, call, error=LifecycleError):
+        """``call`` raises ``error`` and nothing observable changes."""
+        before = self.frozen()
+        with pytest.raises(error):
+            call()
+        assert self.frozen() == before
+
+    def tracked(self):
+        return [r for r in self.reqs if self.mgr.state_of(r) not in (None, State.RELEASED)]
+
+    def entry_points(self, req):
+        m = self.mgr
+        return [lambda: m.offload_kv_cache(req), lambda: m.finalize_release_on_finish(req),
+                lambda: m._release_finished_req(req)]
 
     # --- scheduler calls
     @precondition(lambda self: self.pools.can_alloc() and len(self.reqs) < 5)
@@ -141,6 +167,83 @@ class Lifecycles(RuleBasedStateMachine):
             if state is not None and not released_later:
                 self.must_leak.append(weakref.ref(req))   # the scheduler lost a live request
             self.reqs.remove(req)
+
+    # --- a buggy scheduler (issue 10): refused with nothing changed, then repaired
+    @rule(data=st.data())
+    def row_moved_without_readmit(self, data):
+        live = self.tracked()
+        if live and self.pools.free_rows:
+            req = data.draw(st.sampled_from(live))
+            row = req.kv.req_pool_idx
+            req.kv.req_pool_idx = data.draw(st.sampled_from([r for r in range(len(self.pools.req_to_token)) if r != row]))
+            self.refused(data.draw(st.sampled_from(self.entry_points(req))))
+            req.kv.req_pool_idx = row
+
+    @rule(data=st.data(), how=st.sampled_from(["cleared", "minus_one", "tail_not_allocated"]))
+    def row_corrupted(self, data, how):
+        done = [r for r in self.tracked() if (r.finished() or self.mgr.state_of(r) is State.FINISHED)
+                and not lookup(self.mgr, r).inflight and r.kv.kv_allocated_len]
+        if not done:
+            return
+        req = data.draw(st.sampled_from(done))
+        row = self.pools.req_to_token[req.kv.req_pool_idx]
+        saved = row.clone()
+        committed, allocated = req.kv.kv_committed_len, req.kv.kv_allocated_len
+        if how == "cleared":
+            row.zero_()
+        elif how == "minus_one":
+            row[data.draw(st.integers(0, allocated - 1))] = -1
+        else:
+            free = [r for r in self.pools.free_rows if self.pools.held_pages.isdisjoint(self.pools._pages(r))]
+            tail = -(-committed // self.page_size) * self.page_size
+            if not free or tail >= allocated:
+                return
+            row[tail:allocated] = self.pools.req_to_token.new_tensor(range(allocated - tail)) + free[0] * WIDTH
+        self.refused(lambda: self.mgr._release_finished_req(req))
+        row.copy_(saved)
+
+    @rule(data=st.data())
+    def foreign_manager(self, data):
+        live = self.tracked()
+        if live:
+            other = DecodeOffloadManager(self.pools, self.pools, page_size=self.page_size,
+                                         offloader=TrackingOffloader(page_size=self.page_size, host_pages=2))
+            req = data.draw(st.sampled_from(live))
+            call = data.draw(st.sampled_from([other.offload_kv_cache, other.finalize_release_on_finish,
+                                              other._release_finished_req]))
+            self.refused(lambda: call(req))
+            assert other.stats().tracked == 0 and msgspec.msgpack.decode(other.snapshot()) == []
+
+    @rule(data=st.data())
+    def reentrant_call(self, data):
+        inner = data.draw(st.sampled_from(["check_offload_progress", "offload_kv_cache", "finalize_release_on_finish"]))
+        write, outcomes = self.off.write, []
+
+        def meddle(indices, ack):
+            before = self.frozen()
+            args = () if inner == "check_offload_progress" else (self.reqs[0],)
+            with pytest.raises(ReentrantCall):
+                getattr(self.mgr, inner)(*args)
+            outcomes.append(self.frozen() == before)
+            return write(indices, ack)
+
+        self.off.write = meddle
+        try:
+            self.step(data)
+        finally:
+            self.off.write = write
+        assert all(outcomes)
+
+    @rule()
+    def shared_offloader_or_coarser_allocator(self):
+        before = self.frozen()
+        with pytest.raises(ConfigError, match="already serves another"):
+            DecodeOffloadManager(self.pools, self.pools, page_size=self.page_size, offloader=self.off)
+        coarse = PagedAllocator(page_size=2 * self.page_size)
+        with pytest.raises(ConfigError, match="does not divide"):
+            DecodeOffloadManager(self.pools, coarse, page_size=self.page_size,
+                                 offloader=TrackingOffloader(page_size=self.page_size, host_pages=2))
+        assert self.frozen() == before
 
     # --- invariants
     @invariant()
