@@ -259,9 +259,20 @@ class DecodeOffloadManager(CallGate):
         return integrity.stats(self)
 
     def pending(self) -> integrity.Pending:
-        """What the manager waits on (``lifecycle.integrity.Pending``): the idle check to call
-        when finished requests seem to hold slots too long. Polls nothing."""
-        return integrity.pending(self)
+        """What the manager waits on (``lifecycle.integrity.Pending``): the idle check. It collects
+        what the offloader has reported (settling nothing), so ``finished_waiting_on_settled``
+        names finished requests that hold slots only because ``check_offload_progress`` was not
+        called since their copies landed.
+
+        Raises:
+            ManagerClosed / ReentrantCall: after ``shutdown`` / from inside another call.
+        """
+        self._enter()
+        try:
+            settle.collect(self)
+            return integrity.pending(self)
+        finally:
+            self._leave()
 
     @property
     def closed(self) -> bool:
@@ -297,18 +308,20 @@ class DecodeOffloadManager(CallGate):
             ReentrantCall: called from inside another call.
         """
         if self._gate == CLOSED:
-            return self.pending()
+            return integrity.pending(self)
         self._enter()
         try:
-            refused = settle.poll(self)
-            pending = self.pending()
-            busy = not self.idle() or refused
+            settle.collect(self)
+            pending = integrity.pending(self)
+            busy = not self.idle()
             if busy and not force:
                 raise LifecycleError(f"shutdown refused: {pending.describe()}")
             if busy:
                 self._emit(self._log.error, audit.ABANDONED, pending=pending.describe(),
+                           copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in self._ongoing.items()],
                            held_slots=sum(c.indices.numel() for c in self._ongoing.values()),
-                           acks=sorted(self._ongoing), quarantined_slots=pending.quarantined_slots)
+                           quarantined_slots=pending.quarantined_slots,
+                           why="a copy may still read these slots: they stay allocated, never reused")
         finally:
             self._leave()
         self._gate = CLOSED

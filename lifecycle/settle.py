@@ -23,11 +23,17 @@ def poll(mgr) -> list:
             chunk = mgr._ongoing.pop(ack, None)
             if chunk is not None:
                 refused += on_expired(mgr, chunk)
+    collect(mgr)
+    return refused
+
+
+def collect(mgr) -> None:
+    """Move the landings, failures and finished storage ops the offloader reports into the
+    manager's unsettled sets (``stats().unsettled``); settles nothing."""
     mgr._landed.update(mgr.offloader.finished_writes())
     if mgr._poll_failed is not None:  # a subset of what finished_writes just reported
         mgr._failed.update(mgr._poll_failed())
     mgr._stored.update(mgr.offloader.finished_storage())
-    return refused
 
 
 def progress(mgr) -> None:

@@ -1,0 +1,59 @@
+"""Issue 12: a forgotten progress check is visible, and shutdown is bounded and says what is pending."""
+
+import time
+
+import pytest
+from structlog.testing import capture_logs
+
+from lifecycle import LifecycleError, ManagerClosed, State
+from lifecycle_tools.testkit.doubles import Req
+from tests.conftest import Node
+
+
+def finished_with_a_copy(node):
+    req = Req("r", range(4), row=0)
+    for t in range(5):
+        req.decode(t)
+        node.mgr.offload_kv_cache(req)
+    req.finish()
+    node.mgr.finalize_release_on_finish(req)
+    assert node.mgr.state_of(req) is State.FINISHED
+    return req
+
+
+def test_a_forgotten_progress_check_is_named_by_the_idle_check_and_stats():
+    node = Node(page_size=4)
+    req = finished_with_a_copy(node)
+    node.off.land()                                   # landed, but check_offload_progress never called
+    p = node.mgr.pending()
+    assert (p.copies, p.unsettled, p.finished_waiting, p.finished_waiting_on_settled) == (0, 1, 1, 1)
+    assert "never settled (call check_offload_progress)" in p.describe()
+    assert node.mgr.stats().unsettled == 1 and node.mgr.state_of(req) is State.FINISHED
+    node.mgr.check_offload_progress()
+    assert node.mgr.state_of(req) is State.RELEASED and node.mgr.stats().unsettled == 0
+
+
+def test_shutdown_refusal_says_what_is_really_pending():
+    node = Node(page_size=4)
+    finished_with_a_copy(node)
+    node.off.land()                                   # landed, never settled
+    with pytest.raises(LifecycleError, match="0 copies in flight.*1 completions reported but never settled"):
+        node.mgr.shutdown()
+    node.mgr.check_offload_progress()
+    node.store_all()
+    assert node.mgr.shutdown().copies == 0
+    with pytest.raises(ManagerClosed):
+        node.mgr.check_offload_progress()
+
+
+def test_forced_shutdown_with_a_stuck_copy_is_bounded_and_keeps_its_slots():
+    node = Node(page_size=4)
+    finished_with_a_copy(node)                        # the copy never lands
+    t0 = time.monotonic()
+    with capture_logs() as logs:
+        pending = node.mgr.shutdown(force=True, timeout_s=0.5)
+    assert time.monotonic() - t0 < 2
+    assert pending.copies == 1 and pending.finished_waiting == 1
+    abandoned = [e for e in logs if e["event"] == "lifecycle.abandoned"]
+    assert abandoned and abandoned[0]["held_slots"] == 4 and abandoned[0]["copies"] == [("r", 1, 4, 8)]
+    assert node.alloc.freed_pages == [] and node.pool.freed_rows == []   # never freed under the copy
