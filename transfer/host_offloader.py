@@ -148,7 +148,8 @@ class HostOffloader:
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
         slots = as_index_tensor(device_indices, "device indices")
-        n_pages = pages_of_slots(slots.numpy(), self.page_size, "device indices", self.kv.slots).shape[0]
+        view = slots.numpy()
+        n_pages = pages_of_slots(view, self.page_size, "device indices", self.kv.slots).shape[0]
         if n_pages == 0:
             raise BadIndices("a write needs at least one page")
         pages = self.host.alloc_pages(n_pages)
@@ -158,6 +159,8 @@ class HostOffloader:
         if self._rejected_run:
             log.info("offloader.host_recovered", rejected=self._rejected_run)
             self._rejected_run = 0
+        if slots is device_indices:  # the copy runs later: never read the caller's own buffer then
+            slots = torch.from_numpy(view.copy())
         try:
             self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages))
         except BaseException:

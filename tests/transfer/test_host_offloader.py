@@ -195,3 +195,34 @@ def test_backpressure_interval_must_not_be_negative():
     host = HostPool(2, 2, 8, torch.bfloat16, PS, 8)
     with pytest.raises(ValueError):
         HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), backpressure_log_interval_s=-1)
+
+
+def test_the_copy_reads_the_slots_given_at_write_time_not_a_reused_index_buffer():
+    """The plan is built on the copy worker, later: a caller reusing its index tensor after
+    ``write`` returned must not redirect the copy (regression: int64 CPU indices were aliased)."""
+    gate = threading.Event()
+
+    class Late(CpuCopyEngine):  # plans and runs the copy on the worker once the gate opens
+        def to_host(self, tag, kv, host, slots, host_pages):
+            from transfer.gather import ChunkCopy
+
+            def job():
+                gate.wait(10)
+                ChunkCopy(kv, host, slots, host_pages).to_host()
+
+            self.submit(tag, job)
+
+    eng = Late(threads=1)
+    off, kv, host, _ = make(engine=eng)
+    kv.write(torch.arange(64), synthetic_kv(kv, 3, torch.arange(64)))
+    idx = torch.arange(8, 16)
+    h = off.write(idx, 1)
+    idx.copy_(torch.arange(40, 48))  # the caller reuses its buffer for something else
+    gate.set()
+    assert drain(off.finished_writes, 1) == [1]
+    want = kv.read(torch.arange(8, 16))  # [kinds, layers, 8, heads, dim]
+    for i, p in enumerate(host.page_ids(h).tolist()):
+        page = want[:, :, i * PS:(i + 1) * PS].permute(0, 2, 1, 3, 4).contiguous()
+        assert torch.equal(host.page_view(p).view(torch.uint8), page.view(torch.uint8))
+    off.free_host(h)
+    off.close()
