@@ -176,9 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
+        if argv is None:   # the process is ours: exit now, before finalization restores SIGINT's default
+            INTERRUPTS.exit_now(quiet=True)
         return EXIT_INTERRUPTED
     finally:
-        INTERRUPTS.uninstall()
+        if not INTERRUPTS.requested():   # after Ctrl-C the handler stays: another one exits at once
+            INTERRUPTS.uninstall()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -73,17 +73,24 @@ class Interrupts:
         timer.daemon = True
         timer.start()
 
-    def _exit_now(self) -> None:
+    def exit_now(self, quiet: bool = False) -> None:
+        """End the process with exit 130 at once (after the ``before_exit`` hooks and flushing the
+        standard streams), without the interpreter's finalization: a Ctrl-C that arrives while
+        Python tears down would otherwise kill it by the signal's default action."""
         for fn in list(self._before_exit):
             try:
                 fn()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         try:
-            sys.stderr.write(self.message)
+            if not quiet:
+                sys.stderr.write(self.message)
+            sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(EXIT_INTERRUPTED)
+
+    _exit_now = exit_now
 
 
 INTERRUPTS = Interrupts()

@@ -120,6 +120,8 @@ class RunReport:
     passes: list[PassReport]
     storage: dict
     wall_s: float
+    shutdown: str = ""      # what the bounded shutdown abandoned ("": nothing); a note, not a failure:
+    #                         abandoned copies keep their slots, so nothing is freed under them
 
     @property
     def problems(self) -> list[str]:
@@ -131,7 +133,7 @@ class RunReport:
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "problems": self.problems, "wall_s": round(self.wall_s, 3),
-                "config": self.config, "storage": self.storage,
+                "config": self.config, "storage": self.storage, "shutdown": self.shutdown,
                 "passes": [dataclasses.asdict(p) for p in self.passes]}
 
 
@@ -199,6 +201,8 @@ def format_summary(report: RunReport, cfg, prog: str = "kv-lifecycle") -> str:
     for label, vals in rows:
         out.append(f"{label:<{lw}}  " + "  ".join(f"{v:>{w}}" for v, w in zip(vals, cw)))
     out += NOTES
+    if report.shutdown:
+        out.append(f"note: {report.shutdown} (storage too slow or down at the end; nothing freed under them)")
     if report.ok:
         out.append("OK: no slot leaked, nothing freed twice, every stored page checked is the KV it came from")
     else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
 
 from lifecycle_tools.simulate.config import pool_bytes, validate
@@ -11,7 +10,7 @@ from lifecycle_tools.simulate.errors import ConfigProblem
 from lifecycle_tools.simulate.report import RunReport
 from lifecycle_tools.simulate.workload import iter_chats
 
-CLOSE_TIMEOUT_S = 5.0   # per worker, when the stack is closed at the end of a run
+CLOSE_TIMEOUT_S = 5.0   # bound on the manager's shutdown and on the stack's close at the end of a run
 
 
 def prepare(cfg) -> int:
@@ -76,30 +75,31 @@ def run(cfg, stack, mgr, progress=None, enqueue_timer=None) -> RunReport:
         clean = True
     finally:
         sim.close()
-        shut_down(mgr, stack, cfg.drain_timeout_s if clean else 0.0)
+        if not clean:   # interrupted or failed: abandon what is in flight, in bounded time
+            shut_down(mgr, stack, 0.0)
+    note = shut_down(mgr, stack, cfg.drain_timeout_s)
     st = stack.storage.stats()
     storage = {"spec": cfg.storage_spec, **{f: getattr(st, f) for f in st.__struct_fields__}}
-    return RunReport(dataclasses.asdict(cfg), passes, storage, time.perf_counter() - t0)
+    return RunReport(dataclasses.asdict(cfg), passes, storage, time.perf_counter() - t0, note)
 
 
-def shut_down(mgr, stack, drain_s: float) -> None:
-    """Settle copies for up to ``drain_s`` seconds, then shut the manager down (forced if copies
-    are still in flight) and close the stack, waiting at most ``CLOSE_TIMEOUT_S`` per worker where
-    the parts accept a timeout."""
+def shut_down(mgr, stack, drain_s: float) -> str:
+    """Settle copies for up to ``drain_s`` seconds, then shut the manager down (forced if work is
+    still pending) and close the stack, each bounded by ``CLOSE_TIMEOUT_S``.
+
+    Returns:
+        "" when everything finished, else what was abandoned (for the report).
+    """
     deadline = time.perf_counter() + drain_s
     while not mgr.idle() and time.perf_counter() < deadline:
         mgr.check_offload_progress()
         time.sleep(0.001)
-    _call_bounded(stack.offloader.close)
-    _call_bounded(mgr.shutdown, force=not mgr.idle())
-    _call_bounded(stack.prefix_loader.close)
-    stack.storage.close()
-
-
-def _call_bounded(fn, **kwargs) -> None:
-    params = inspect.signature(fn).parameters
-    for name in ("timeout_s", "timeout"):
-        if name in params:
-            kwargs[name] = CLOSE_TIMEOUT_S
-            break
-    fn(**kwargs)
+    pending = mgr.shutdown(force=not mgr.idle(), timeout_s=CLOSE_TIMEOUT_S)
+    closed = stack.close(timeout=CLOSE_TIMEOUT_S)
+    notes = []
+    if pending.copies or pending.storage_ops:
+        notes.append(f"manager shut down with {pending.copies} copies and {pending.storage_ops} storage ops pending")
+    if not closed.clean:
+        notes.append(f"stack closed with {len(closed.abandoned_writes)} copies and "
+                     f"{len(closed.abandoned_storage)} storage ops abandoned")
+    return "; ".join(notes)
