@@ -1,6 +1,7 @@
 """Mooncake faults against real processes: the master killed and restarted empty, a master that is
 not there (or never answers) at setup, a segment holder holding the only replica killed — each a
-bounded-time miss, nothing leaked, writes resume after recovery."""
+bounded-time miss, writes resume after recovery. A whole decode run through a master killed
+mid-run (nothing leaked, the report written): tests/transfer/test_mooncake_simulate.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,9 @@ import time
 import pytest
 import torch
 
-from lifecycle import State
 from lifecycle_tools.testkit.mooncake_server import make_mooncake, require_mooncake  # noqa: F401 (fixture)
-from tests.support.decode_driver import DIM, HEADS, LAYERS, MAX_LEN, PS, ROWS, Scheduler
 from tests.transfer.test_mooncake_storage import MHA, NB, fresh_hashes, pages
-from transfer import build_stack, open_storage
+from transfer import open_storage
 from transfer.errors import StorageUnavailable
 from transfer.storage.breaker import BreakerState
 
@@ -140,55 +139,6 @@ def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_moonca
     finally:
         one.close()
         two.close()
-
-
-def test_decode_survives_master_outage_and_recovers(make_mooncake):
-    master = make_mooncake()
-    stack = build_stack(LAYERS, HEADS, DIM, torch.bfloat16, PS, 256, 128, ROWS, MAX_LEN,
-                        storage=master.spec(), model_name="org/tiny")
-    alloc0, host0, rows0 = (stack.allocator.available_size(), stack.host_pool.available_size(),
-                            stack.req_to_token_pool.available_size())
-    sch = Scheduler(stack)
-    off = stack.offloader
-    try:
-        a = sch.admit(1, list(range(100, 110)), 7)
-        for t in range(6):
-            sch.step(50 + t)
-        master.kill()
-        b, took = timed(lambda: sch.admit(2, list(range(100, 110)), 7))  # a prefix lookup: bounded
-        assert took < 1.0
-        for t in range(8):
-            sch.step(60 + t)
-        sch.finish(a)
-        sch.finish(b)
-        sch.settle()
-        st = off.stats()
-        assert st.storage_ok + st.storage_failed == st.storage_ops
-        assert stack.allocator.available_size() == alloc0 and stack.host_pool.available_size() == host0
-        assert stack.req_to_token_pool.available_size() == rows0
-        assert all(sch.mgr.state_of(r) is State.RELEASED for r in (a, b)) and sch.mgr.stats().leaked == 0
-        sch.mgr.check_integrity()
-
-        master.start()  # empty; writes resume once the breaker lets a probe through
-        probe = torch.zeros(stack.host_pool.page_nbytes, dtype=torch.uint8)
-        assert wait_for(lambda: stored(stack.storage, fresh_hashes(1), [probe]), 20.0, 0.25)
-        failed_before = off.stats().storage_failed
-        d = sch.admit(4, list(range(400, 406)), 7)
-        for t in range(10):
-            sch.step(80 + t)
-        sch.finish(d)
-        sch.settle()
-        assert off.stats().storage_failed == failed_before
-        expected = sch.kv_pages(d)
-        hashes = [h for h, _ in expected]
-        assert len(hashes) >= 3 and stack.storage.batch_exists(hashes) == len(hashes)
-        bufs = [torch.empty(stack.host_pool.page_nbytes, dtype=torch.uint8) for _ in hashes]
-        assert stack.storage.batch_get(hashes, bufs) == [True] * len(hashes)
-        assert all(torch.equal(buf, want) for buf, (_, want) in zip(bufs, expected))
-        assert stack.allocator.available_size() == alloc0 and stack.host_pool.available_size() == host0
-    finally:
-        sch.mgr.shutdown(force=True)
-        stack.close()
 
 
 def test_preferred_local_segment_keeps_pages_when_another_holder_dies(make_mooncake):

@@ -129,24 +129,22 @@ def test_our_pages_are_sglang_objects_and_sglang_reads_them(store, raw):
     assert torch.equal(out, pool[1])
 
 
-def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(mooncake_master, raw):
+def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(store, module_master, raw):
     h = fresh_hashes(1)[0]
     page = pages(1, seed=5)[0]
     half = NB // 2
-    names = sglang_keys(h, "org/tiny", 0, mla=False)
-    ours = open_storage(mooncake_master.spec(), "_org-tiny_0_1", NB, page_format=MHA)  # holds a segment
-    strict = open_storage(mooncake_master.spec(require_checksum=1), "_org-tiny_0_1", NB, page_format=MHA)
+    names = sglang_keys(h, "org/tiny", 1, mla=False)  # what SGLang's tp rank 1 writes
+    strict = open_storage(module_master.spec(require_checksum=1), "_org-tiny_1_2", NB, page_format=MHA)
     raw.register_buffer(page.data_ptr(), NB)
     try:
         assert raw.batch_put_from(names, [page.data_ptr(), page.data_ptr() + half], [half, half]) == [0, 0]
-        assert ours.batch_exists([h]) == 1 and strict.batch_exists([h]) == 0
+        assert store.batch_exists([h]) == 1 and strict.batch_exists([h]) == 0
         buf = torch.zeros(NB, dtype=torch.uint8)
-        assert ours.batch_get([h], [buf]) == [True] and torch.equal(buf, page)
-        assert ours.stats().unverified == 1
+        assert store.batch_get([h], [buf]) == [True] and torch.equal(buf, page)
+        assert store.stats().unverified == 1
         assert strict.batch_get([h], [buf]) == [False] and not buf.any()
-        assert ours.batch_set([h], [page]) == [True] and ours.stats().skipped == 1  # first writer wins
+        assert store.batch_set([h], [page]) == [True] and store.stats().skipped == 1  # first writer wins
     finally:
-        ours.close()
         strict.close()
         raw.unregister_buffer(page.data_ptr())
 
