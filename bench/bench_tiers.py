@@ -54,20 +54,20 @@ def make_pages(nbytes: int, n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, nbytes), dtype=torch.uint8, generator=g)
 
 
-def put_all(store, keys, pool) -> float:
+def batched(call, keys, pages) -> float:
+    """Seconds to run ``call(keys, pages)`` (a store's batch_set / batch_get) batch by batch."""
     t = time.perf_counter()
     for i in range(0, len(keys), BATCH):
-        ok = store.batch_set(keys[i:i + BATCH], list(pool[i:i + BATCH]))
-        assert all(ok), "a page was not stored"
+        assert all(call(keys[i:i + BATCH], list(pages[i:i + BATCH]))), f"a page failed in {call.__name__}"
     return time.perf_counter() - t
+
+
+def put_all(store, keys, pool) -> float:
+    return batched(store.batch_set, keys, pool)
 
 
 def get_all(store, keys, out) -> float:
-    t = time.perf_counter()
-    for i in range(0, len(keys), BATCH):
-        ok = store.batch_get(keys[i:i + BATCH], list(out[i:i + BATCH]))
-        assert all(ok), "a page was not read"
-    return time.perf_counter() - t
+    return batched(store.batch_get, keys, out)
 
 
 def worker(spec: str, nbytes: int, n: int, tag: str, mode: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from lifecycle_tools.testkit.redis_server import free_port
+from lifecycle_tools.testkit.redis_server import free_port, stop_process
 
 HINT = ("Mooncake is not installed: pip install -e '.[mooncake]' "
         "(mooncake-transfer-engine-non-cuda) and apt-get install libibverbs1")
@@ -83,14 +83,8 @@ class _Process:
     def stop(self, timeout: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; reaped."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        if proc is not None:
+            stop_process(proc, timeout)
 
     def _wait_port(self, port: int, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

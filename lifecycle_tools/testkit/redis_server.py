@@ -53,6 +53,17 @@ def _answers_ping(port: int) -> bool:
         return False
 
 
+def stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM a running child, SIGKILL it after ``timeout``, and reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+
 class RedisServer:
     """One ``redis-server`` process on 127.0.0.1.
 
@@ -102,13 +113,7 @@ class RedisServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout)
+        stop_process(proc, timeout)
         if proc.stdout is not None:
             proc.stdout.close()
 

@@ -50,11 +50,6 @@ class MooncakeStorageStats(StorageStats):
     """``StorageStats`` plus what Mooncake adds: pages lost with a dead replica holder
     (``holder_gone``) and pages refused for lack of space (``no_space``)."""
 
-    corrupt: int = 0
-    foreign: int = 0
-    wrong_size: int = 0
-    unverified: int = 0
-    unavailable: int = 0
     holder_gone: int = 0
     no_space: int = 0
 
