@@ -35,20 +35,15 @@ page-level refusal (e.g. ``OOM`` under ``maxmemory``) makes that page and the re
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Sequence
-from urllib.parse import parse_qs, urlsplit
 
 import msgspec
 import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.connection import HIREDIS_AVAILABLE, Encoder, HiredisRespSerializer, PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
 
 from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.log import get_logger
@@ -59,6 +54,7 @@ from transfer.storage.integrity import (
     verify,
 )
 from transfer.storage.lru import LruIndex
+from transfer.storage.redis_conn import _client_from_url, check_url, redact  # noqa: F401 (re-exported)
 from transfer.storage.redis_wire import SetBatch, send_and_read
 
 log = get_logger(__name__)
@@ -66,7 +62,6 @@ log = get_logger(__name__)
 HEADER_NBYTES = SEAL_NBYTES  # the seal in front of every value (104 bytes)
 _MAGIC_VERSION = MAGIC + bytes([SEAL_VERSION])
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-_DB = re.compile(r"\d+\Z")
 
 
 class RedisStorageStats(StorageStats):
@@ -79,65 +74,6 @@ def _raw(t: torch.Tensor) -> memoryview:
     if t.dtype is torch.uint8 and t.dim() == 1:  # host page_bytes views: no reshape needed
         return memoryview(t.numpy())
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
-
-
-def redact(url: str) -> str:
-    """``url`` without its password (for messages and logs)."""
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
-
-
-def check_url(url: str) -> None:
-    """Refuse what redis-py would silently misread.
-
-    Raises:
-        StorageConfigError: not ``redis://``, ``rediss://`` or ``unix://``; a non-numeric or
-            out-of-range port; a database that is not a non-negative integer (``/abc``, ``?db=x``).
-    """
-    if not isinstance(url, str):
-        raise StorageConfigError(f"redis URL must be a str, got {url!r}")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as err:
-        raise StorageConfigError(f"bad redis URL {redact(url)!r}: {err}") from None
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise StorageConfigError(f"bad redis URL {redact(url)!r}: scheme must be redis://, rediss:// or unix://")
-    if parts.scheme != "unix" and not parts.hostname:
-        raise StorageConfigError(f"bad redis URL {redact(url)!r}: no host")
-    if port is not None and not 0 < port < 65536:
-        raise StorageConfigError(f"bad redis URL {redact(url)!r}: port {port}")
-    dbs = parse_qs(parts.query).get("db", [])
-    path = parts.path.strip("/") if parts.scheme != "unix" else ""
-    for db in dbs + ([path] if path else []):
-        if not _DB.match(db):
-            raise StorageConfigError(f"bad redis URL {redact(url)!r}: database {db!r} is not a number")
-
-
-class _ValuePacker:
-    """redis-py command packer: a command carrying a page (a memoryview) is packed by redis-py's
-    Python packer, which hands the page to the socket as it is (hiredis's packer would copy it
-    twice); every other command by hiredis's C packer when installed. Replies are parsed by
-    hiredis either way."""
-
-    def __init__(self) -> None:
-        self._py = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-        self._c = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._py
-
-    def pack(self, *args):
-        for arg in args:
-            if type(arg) is memoryview:
-                return self._py.pack(*args)
-        return self._c.pack(*args)
-
-
-def _client_from_url(url: str, connect_timeout_s: float, socket_timeout_s: float) -> redis.Redis:
-    packer = _ValuePacker()
-    return redis.Redis.from_url(
-        url, socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s,
-        retry=Retry(NoBackoff(), 1), retry_on_error=[], health_check_interval=0, command_packer=packer)
 
 
 class RedisStorage(Storage):
