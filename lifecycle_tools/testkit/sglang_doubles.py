@@ -57,6 +57,14 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def reset_for_retract(self) -> None:
+        """``Req.reset_for_retract`` (the KV parts): after ``release_kv_cache``."""
+        self.prefix_indices = torch.empty((0,), dtype=torch.int64)
+        self.kv.cache_protected_len = 0
+        self.is_retracted = True
+        assert not self.kv.holds_kv, "expect it is already released"
+        self.kv.kv_committed_len = 0
+
     def effective_kv_committed_len(self) -> int:
         return self.kv.kv_committed_len
 
@@ -122,11 +130,6 @@ class MHATokenToKVPool(KVCache):
         self.v_buffer = [torch.zeros((rows, head_num, self.v_head_dim), dtype=self.store_dtype, device=device)
                          for _ in range(layer_num)]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
-        layer = layer_id - self.start_layer
-        self.k_buffer[layer][loc] = cache_k.view(self.store_dtype)
-        self.v_buffer[layer][loc] = cache_v.view(self.store_dtype)
-
 
 class MLATokenToKVPool(KVCache):
     """``memory_pool.MLATokenToKVPool``: per-layer ``[size + page_size, 1, kv_lora_rank + rope]``."""
@@ -139,9 +142,6 @@ class MLATokenToKVPool(KVCache):
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.kv_buffer = [torch.zeros((size + page_size, 1, self.kv_cache_dim), dtype=self.store_dtype, device=device)
                           for _ in range(layer_num)]
-
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v=None) -> None:
-        self.kv_buffer[layer_id - self.start_layer][loc] = cache_k.view(self.store_dtype)
 
 
 class PagedTokenToKVPoolAllocator:
@@ -216,6 +216,18 @@ class ChunkCache:
         self.freed_rows.append((kv.req_pool_idx, list(ranges)))
         free_kv_row_segments(self.token_to_kv_pool_allocator, [(row[s:e], s) for s, e in ranges],
                              swa_evicted_seqlen=kv.swa_evicted_seqlen)
+
+
+def release_kv_cache(req: Req, tree_cache: ChunkCache, is_insert: bool = True) -> None:
+    """``mem_cache.common.release_kv_cache`` over a ``ChunkCache`` (no speculative decoding, no
+    mamba): ``cache_finished_req`` frees ``[cache_protected_len, committed)``, then the row."""
+    assert (not req.kv.holds_kv) == req.kv.is_kv_released
+    assert req.kv.holds_kv, "Only MambaRadixCache allow freeing before alloc"
+    committed = req.effective_kv_committed_len()
+    tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, committed)])
+    assert committed == req.kv.kv_allocated_len, "Unexpected overallocated KV cache"
+    tree_cache.req_to_token_pool.free(req)
+    req.kv.mark_kv_released()
 
 
 def free_kv_row_segments(allocator, segments, *, swa_evicted_seqlen: int) -> None:

@@ -85,18 +85,27 @@ class Node:
         return req
 
     def _grow(self, req, n_tokens: int) -> None:
-        kv, table = req.kv, self.pool.req_to_token
-        while kv.kv_allocated_len < n_tokens:
-            slots = self.alloc.alloc(self.ps)
-            assert slots is not None, "device pool exhausted"
-            table[kv.req_pool_idx, kv.kv_allocated_len:kv.kv_allocated_len + self.ps] = slots.to(torch.int32)
-            kv.kv_allocated_len += self.ps
-        loc = table[kv.req_pool_idx, kv.kv_committed_len:n_tokens].long()
+        """Slots for positions up to ``n_tokens`` as SGLang's paged allocator hands them out (a
+        new page at each page boundary, else the next slot of the last page; ``kv_allocated_len``
+        counts tokens), then their KV."""
+        kv, table, ps = req.kv, self.pool.req_to_token, self.ps
+        row = kv.req_pool_idx
+        for pos in range(kv.kv_allocated_len, n_tokens):
+            if pos % ps == 0:
+                page = self.alloc.alloc(ps)
+                assert page is not None, "device pool exhausted"
+                table[row, pos] = int(page[0])
+            else:
+                table[row, pos] = int(table[row, pos - 1]) + 1
+        kv.kv_allocated_len = max(kv.kv_allocated_len, n_tokens)
+        loc = table[row, kv.kv_committed_len:n_tokens].long()
         values = self.expected[req.rid][kv.kv_committed_len:n_tokens]
-        for layer in range(self.layers):
-            k = values[:, 0, layer]
-            v = None if self.mla else values[:, 1, layer]
-            self.kv.set_kv_buffer(layer, loc, k, v)
+        for layer in range(self.layers):  # what set_kv_buffer stores for an unquantized pool
+            if self.mla:
+                self.kv.kv_buffer[layer][loc] = values[:, 0, layer]
+            else:
+                self.kv.k_buffer[layer][loc] = values[:, 0, layer]
+                self.kv.v_buffer[layer][loc] = values[:, 1, layer]
         kv.kv_committed_len = n_tokens
 
     def decode_step(self, mgr, running: list) -> list:

@@ -61,8 +61,12 @@ def sglang_modules(monkeypatch):
         for module in (defining, common, scheduler):
             monkeypatch.setitem(sys.modules, module.__name__, module)
     own = sys.modules[DEFINING_MODULE].DecodeKVCacheOffloadManager
+    originals[RELEASE_MODULE] = sys.modules[RELEASE_MODULE].release_kv_cache
     yield own
     uninstall()
+
+
+originals: dict = {}
 
 
 def test_install_rebinds_the_name_the_scheduler_constructs_and_uninstall_restores(sglang_modules):
@@ -77,7 +81,7 @@ def test_install_rebinds_the_name_the_scheduler_constructs_and_uninstall_restore
         assert _construct_as_scheduler(sys.modules[SCHEDULER]) is ours
     assert installed() and os.environ[ENV] == "1"
     release = sys.modules[RELEASE_MODULE].release_kv_cache
-    assert release.__wrapped__ is sglangs_original(sglang_modules) and release is not release.__wrapped__
+    assert release.__wrapped__ is originals[RELEASE_MODULE] and release is not release.__wrapped__
     if SCHEDULER in sys.modules:
         assert sys.modules[SCHEDULER].release_kv_cache is release
     assert install() == changed  # idempotent
@@ -91,11 +95,6 @@ def test_install_rebinds_the_name_the_scheduler_constructs_and_uninstall_restore
     if SCHEDULER in sys.modules:
         assert sys.modules[SCHEDULER].release_kv_cache is release.__wrapped__
     assert uninstall() == []
-
-
-def sglangs_original(own):
-    return sglangs_release_kv_cache if own is SGLangsOwn else __import__(
-        "sglang.srt.mem_cache.common", fromlist=["x"]).release_kv_cache
 
 
 def test_the_release_hook_calls_sglangs_release_when_no_manager_tracks_the_request(sglang_modules):

@@ -13,6 +13,7 @@ import time
 import weakref
 
 from lifecycle.integrations.sglang import runtime
+from lifecycle.integrations.sglang.audit_trail import close_audit_trail, open_audit_trail
 from lifecycle.integrations.sglang.config import OffloadConfig, read_config
 from lifecycle.integrations.sglang.device_pool import LayeredKVPool, from_sglang
 from lifecycle.integrations.sglang.errors import SGLangConfigError
@@ -78,18 +79,21 @@ class DecodeKVCacheOffloadManager:
         host = HostPool(device.layers, device.heads, device.head_dim, device.dtype, config.page_size,
                         _host_tokens(config, kv_cache, device), mla=device.mla)
         storage = open_storage(config, host, tp_rank, tp_size, device.mla)
-        offloader = None
+        offloader = audit = None
         try:
+            audit = open_audit_trail(tp_rank, config.pp_rank)
             offloader = HostOffloader(device, host, storage, copy_engine=make_layered_copy_engine(device))
             self.manager = DecodeOffloadManager(
                 req_to_token_pool, token_to_kv_pool_allocator, page_size=config.page_size,
                 offloader=offloader, offload_stride=config.offload_stride,
-                tp_group=tp_group if tp_size > 1 else None, **_sink_kw(sink),
+                tp_group=tp_group if tp_size > 1 else None, release_sink=sink,
             )
         except BaseException:
             if offloader is not None:
                 offloader.close()
             storage.close()
+            if audit is not None and not _ACTIVE:
+                close_audit_trail()
             raise
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
@@ -103,6 +107,7 @@ class DecodeKVCacheOffloadManager:
         self.ongoing_offload = OngoingOffload(self.manager)
         self._released_host = False
         self._released_by_sglang: weakref.WeakSet = weakref.WeakSet()  # to readmit when back with a row
+        self.audit_path = None if audit is None else audit.path
         _ACTIVE.add(self)
         log.info("sglang.decode_offload_enabled", page_size=config.page_size, stride=config.offload_stride,
                  backend=config.storage_backend, storage_dir=config.storage_dir, suffix=storage.suffix,
@@ -188,6 +193,8 @@ class DecodeKVCacheOffloadManager:
         self.storage.close()
         log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
                  inflight_writes=stats.inflight_writes, inflight_storage=stats.inflight_storage)
+        if self.audit_path is not None and not _ACTIVE:
+            close_audit_trail()
 
     # --- inspection (tests, operators) --------------------------------------------------------------
 
@@ -202,11 +209,6 @@ class DecodeKVCacheOffloadManager:
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` unless the lifecycle's tables agree."""
         self.manager.check_integrity()
-
-
-def _sink_kw(sink) -> dict:  # TEMPORARY until lifecycle/release.py lands
-    import inspect
-    return {"release_sink": sink} if "release_sink" in inspect.signature(DecodeOffloadManager).parameters else {}
 
 
 def _tp_rank_size(group) -> tuple[int, int]:

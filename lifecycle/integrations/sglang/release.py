@@ -17,7 +17,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from lifecycle.errors import InvalidRequest
+from lifecycle.release import ReleaseRefused
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 
 
@@ -53,9 +53,11 @@ class SGLangReleaseSink:
         """Everything ``free`` relies on, checked without any effect.
 
         Raises:
-            InvalidRequest: the request's ``kv`` cannot be released this way (no row, a row other
+            ReleaseRefused: the request's ``kv`` cannot be released this way (no row, a row other
                 than the plan's, no ``mark_kv_released``, no ``prefix_indices``), the ranges are not
-                ascending, disjoint and inside the row, or ``protected_size_`` would go negative.
+                ascending, disjoint and inside the row, ``protected_size_`` would go negative, or
+                slots are quarantined (``free_kv_row`` frees whole ranges; the integration sets no
+                copy deadline, so none ever are).
         """
         if self._sglang_frees:
             return
@@ -64,23 +66,25 @@ class SGLangReleaseSink:
         kv = getattr(req, "kv", None)
         row = getattr(kv, "req_pool_idx", None)
         if row is None or row == -1 or row != plan.row:
-            raise InvalidRequest(f"request {rid!r}: kv row {row!r} is not the row {plan.row} being released")
+            raise ReleaseRefused(f"request {rid!r}: kv row {row!r} is not the row {plan.row} being released")
         if not callable(getattr(kv, "mark_kv_released", None)):
-            raise InvalidRequest(f"request {rid!r}: kv has no mark_kv_released()")
+            raise ReleaseRefused(f"request {rid!r}: kv has no mark_kv_released()")
         prefix = getattr(req, "prefix_indices", None)
         try:
             protected = len(prefix)
         except TypeError:
-            raise InvalidRequest(f"request {rid!r}: prefix_indices {prefix!r} has no length") from None
+            raise ReleaseRefused(f"request {rid!r}: prefix_indices {prefix!r} has no length") from None
         if protected > self.tree_cache.protected_size_:
-            raise InvalidRequest(
+            raise ReleaseRefused(
                 f"request {rid!r}: {protected} prefix tokens but the tree cache protects only "
                 f"{self.tree_cache.protected_size_}")
+        if plan.quarantined:
+            raise ReleaseRefused(f"request {rid!r}: {plan.quarantined} slots are quarantined by a stuck copy")
         width = self.req_to_token_pool.req_to_token.shape[1]
         last = 0
         for start, end in plan.ranges:
             if not (last <= start < end <= width):
-                raise InvalidRequest(
+                raise ReleaseRefused(
                     f"request {rid!r}: release ranges {plan.ranges} are not ascending, disjoint, "
                     f"non-empty and inside the row (width {width})")
             last = end
