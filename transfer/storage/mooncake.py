@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import msgspec
@@ -39,7 +38,7 @@ from transfer.storage import mooncake_conn as conn
 from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import SEAL_NBYTES, PageFormat, Verdict, check_keys, seal, verify
-from transfer.storage.mooncake_buffers import BufferRegistry
+from transfer.storage.mooncake_session import ClientSession, tracked
 from transfer.storage.mooncake_keys import MooncakeNaming, naming_from_suffix
 
 log = get_logger(__name__)
@@ -54,7 +53,7 @@ class MooncakeStorageStats(StorageStats):
     no_space: int = 0
 
 
-class MooncakeStorage(Storage):
+class MooncakeStorage(ClientSession, Storage):
     """Pages in a Mooncake store (see the module docstring for objects and integrity).
 
     Args:
@@ -102,50 +101,10 @@ class MooncakeStorage(Storage):
         self.page_format = page_format
         self.url = f"mooncake://{settings.master}"
         self.breaker = CircuitBreaker(self.url)
-        self._lock = threading.Lock()
         self._stats = MooncakeStorageStats()
         self._warned_unverified = False
-        self._closed = threading.Event()
-        self._store = None
-        self._buffers: BufferRegistry | None = None
-        self._exists_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-mooncake-exists")
         self._exists_busy = threading.Lock()
-        _, replicate_cls = conn.import_store()
-        self._put_config = replicate_cls()
-        self._put_config.replica_num = settings.replica_num
-        if settings.preferred_segment and settings.preferred_segment != "local":
-            self._put_config.preferred_segments = [settings.preferred_segment]
-        if settings.lazy:
-            threading.Thread(target=self._connect_forever, name="kv-mooncake-connect", daemon=True).start()
-        else:
-            self._attach(conn.connect(settings))
-
-    # -- connection -----------------------------------------------------------------------------
-    def _attach(self, store) -> None:
-        with self._lock:
-            if self._closed.is_set():
-                conn.close_quietly(store)
-                return
-            self._store, self._buffers = store, BufferRegistry(store)
-            if self.settings.preferred_segment == "local" and self.settings.global_segment_size > 0:
-                self._put_config.preferred_segments = [store.get_hostname()]  # this client's own segment
-        log.info("mooncake.connected", master=self.settings.master, hostname=store.get_hostname())
-
-    def _connect_forever(self) -> None:
-        backoff = 0.5
-        while not self._closed.is_set():
-            try:
-                self._attach(conn.connect(self.settings))
-                return
-            except StorageUnavailable as err:
-                log.debug("mooncake.connect_retry", error=str(err), retry_in_s=backoff)
-            self._closed.wait(backoff)
-            backoff = min(backoff * 2, 30.0)
-
-    @property
-    def connected(self) -> bool:
-        """Whether the client is set up (a lazy store connects in the background)."""
-        return self._store is not None
+        ClientSession.__init__(self, settings)
 
     def _usable(self, what: str):
         """The client when the tier may be asked now, else None (counted ``unavailable``)."""
@@ -193,6 +152,7 @@ class MooncakeStorage(Storage):
         return [(page.data_ptr() + i * part, part) for i in range(kinds)]
 
     # -- Storage --------------------------------------------------------------------------------
+    @tracked
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_set``. Pages whose objects all exist are skipped (first writer wins,
         as in SGLang). Raises ``StorageUnavailable`` when the master is away (nothing written)."""
@@ -266,6 +226,7 @@ class MooncakeStorage(Storage):
             out.append(bad is None)
         return out
 
+    @tracked
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_get``: a page is served only when all its objects were read in full
         and (when sealed) its seal verifies. The master away: all misses, without blocking."""
@@ -343,8 +304,8 @@ class MooncakeStorage(Storage):
         if not keys:
             return 0
         store = self._usable("exists")
-        if store is None or not self._exists_busy.acquire(blocking=False):  # a check is still stuck
-            return 0
+        if store is None or not self._exists_busy.acquire(timeout=self.settings.exists_timeout_s):
+            return 0  # another check is running, and did not end within the deadline
         step = self.naming.kinds + int(self.settings.require_checksum)
         names = []
         for key in keys:
@@ -381,6 +342,7 @@ class MooncakeStorage(Storage):
             removed += int(store.remove(name, True) == 0)
         return removed
 
+    @tracked
     def delete(self, key: str) -> bool:
         """See ``Storage.delete``: removes the page's objects and seal (even under a read lease).
         Raises ``StorageUnavailable`` when the master is away."""
@@ -398,35 +360,3 @@ class MooncakeStorage(Storage):
     def stats(self) -> MooncakeStorageStats:
         with self._lock:
             return msgspec.structs.replace(self._stats)
-
-    def close(self, wait: bool = False) -> None:
-        """Stop taking calls at once; unregister buffers and close the client (its segment, and the
-        objects placed only on it, go away). Idempotent; a lazy connection still being made is
-        abandoned.
-
-        Mooncake's client ``close`` holds the GIL: 1-2 s with the master up, ~17 s with it down.
-        So it runs on a non-daemon thread after any stuck existence check ends (``wait=True``:
-        on the caller's), and only when the master answers a TCP probe; otherwise the client is
-        parked (never closed or destroyed, see ``mooncake_conn.park``) rather than freeze the
-        process."""
-        with self._lock:
-            if self._closed.is_set():
-                return
-            self._closed.set()
-            store, buffers, self._store = self._store, self._buffers, None
-
-        def finish() -> None:
-            self._exists_pool.shutdown(wait=True, cancel_futures=True)
-            if buffers is not None:
-                buffers.close()
-            if store is not None:
-                host, port = self.settings.host_port
-                if conn.probe(host, port, self.settings.connect_timeout_s) is None:
-                    conn.close_quietly(store)
-                else:
-                    conn.park(store, self.settings.master)
-
-        if wait:
-            finish()
-        else:
-            threading.Thread(target=finish, name="kv-mooncake-close", daemon=False).start()
