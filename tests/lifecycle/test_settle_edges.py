@@ -1,0 +1,189 @@
+"""Completion settling at its edges (each case a mutant that survived the suite before it).
+
+A release refused when the last copy lands (raised after settling the rest, logged, the request
+kept FINISHED for a retry); an expiry reported twice; an unknown storage op named once; what
+``pending()`` reports, field by field; latencies to the microsecond; generations across readmits.
+"""
+
+from __future__ import annotations
+
+import pytest
+from structlog.testing import capture_logs
+
+from hashing import page_hashes
+from lifecycle import InvalidTransition, State, UnknownCompletion, audit
+from lifecycle.release import AllocatorReleaseSink, ReleaseRefused
+from tests.support.real_rig import Rig
+from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+
+PS = 4
+
+
+class RowCheckingPool(ReqToTokenPool):
+    def check_free(self, req):
+        row = req.kv.req_pool_idx
+        if row is None or not self._held[row]:
+            raise ValueError(f"row {row} is not held")
+
+
+def checking_rig():
+    alloc, pool = PagedTokenAllocator(4 * 64, PS), RowCheckingPool(4, 64)
+    return Rig(PS, pool=pool, alloc=alloc, release_sink=AllocatorReleaseSink(pool, alloc))
+
+
+def finished_with_a_copy(rig, rid):
+    req, _ = rig.admit(rid, 8, 16)
+    rig.decode(req, 4)
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    return req
+
+
+def steal_row(rig, req):
+    row = req.kv.req_pool_idx
+    rig.pool.free(req)                               # freed behind the manager's back
+    req.kv.req_pool_idx = row
+    return row
+
+
+@pytest.mark.parametrize("how", ["landed", "expired"])
+def test_a_release_refused_when_the_last_copy_ends_is_raised_logged_and_retried(how):
+    rig = checking_rig()
+    first, second = finished_with_a_copy(rig, "r1"), finished_with_a_copy(rig, "r2")
+    row = steal_row(rig, first)
+    with capture_logs() as logs, pytest.raises(ReleaseRefused, match=rf"request 'r1': cannot free its row \(row {row}\)"):
+        (rig.off.land if how == "landed" else rig.off.expire)([1, 2])
+        rig.progress()
+    assert rig.mgr.state_of(first) is State.FINISHED          # kept for a retry
+    assert rig.mgr.state_of(second) is State.RELEASED         # the rest was settled
+    (refused,) = [e for e in logs if e["event"] == audit.REFUSED]
+    assert {k: refused[k] for k in ("rid", "trigger", "state", "log_level")} == dict(
+        rid="r1", trigger="release", state="FINISHED", log_level="error")
+    assert "cannot free its row" in refused["reason"]
+
+
+def test_two_refused_releases_raise_the_first():
+    rig = checking_rig()
+    first, second = finished_with_a_copy(rig, "r1"), finished_with_a_copy(rig, "r2")
+    steal_row(rig, first)
+    steal_row(rig, second)
+    with pytest.raises(ReleaseRefused, match="request 'r1'"):
+        rig.off.land([1, 2])
+        rig.progress()
+    assert rig.mgr.state_of(first) is rig.mgr.state_of(second) is State.FINISHED
+
+
+def test_an_expiry_reported_twice_is_settled_once():
+    rig = Rig(PS)
+    req, _ = rig.admit("x", 8, 16)
+    rig.decode(req, 4)
+    rig.off.expire([1])
+    rig.off.expire([1])
+    rig.progress()
+    assert rig.mgr.stats().copies_expired == 1 and rig.mgr.pending().quarantined_slots == 4
+
+
+class LyingOffloader(InMemoryOffloader):
+    """Reports a storage op it never issued, once."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.lie = [99]
+
+    def finished_storage(self):
+        out, self.lie = super().finished_storage() + self.lie, []
+        return out
+
+
+def test_an_unknown_storage_op_is_named_once_and_forgotten():
+    rig = Rig(PS, offloader=LyingOffloader(page_size=PS, host_pages=64, auto_land=False))
+    with pytest.raises(UnknownCompletion, match=r"\('op', 99\)"):
+        rig.progress()
+    rig.progress()                                   # not reported again
+    assert rig.mgr.idle()
+
+
+def test_pending_reports_every_kind_of_wait():
+    rig = Rig(PS)
+    done, _ = rig.admit("d", 8, 24)                  # finished, 2 copies: 1 landed unsettled, 1 not
+    rig.decode(done, 8)
+    done.finish()
+    rig.mgr.finalize_release_on_finish(done)
+    ready, _ = rig.admit("e", 8, 16)                 # finished, its only copy landed unsettled
+    rig.decode(ready, 4)
+    ready.finish()
+    rig.mgr.finalize_release_on_finish(ready)
+    stuck, _ = rig.admit("s", 8, 16)                 # live, copy expired: 4 slots quarantined
+    rig.decode(stuck, 4)
+    stored, _ = rig.admit("t", 8, 16)                # live, one storage op in flight
+    rig.decode(stored, 4)
+    # acks: d 1, 2; e 3; s 4; t 5
+    rig.off.land([5])
+    rig.off.expire([4])
+    rig.progress()                                   # t's copy settled (op 1), s's quarantined
+    rig.off.complete_storage()                       # op 1 reported, not settled
+    rig.off.land([1, 3])                             # reported by pending()'s poll, not settled
+    p = rig.mgr.pending()
+    assert (p.copies, p.unsettled, p.storage_ops, p.quarantined_slots, p.finished_waiting,
+            p.finished_waiting_on_settled) == (1, 3, 1, 4, 2, 1)
+    assert "4 slots quarantined" in p.describe() and "2 finished requests holding slots" in p.describe()
+
+
+def test_latency_is_logged_to_the_microsecond():
+    rig = Rig(PS)
+    req, _ = rig.admit("l", 8, 16)
+    rig.clock.t = 100.0
+    rig.decode(req, 4)
+    rig.clock.t = 100.00000049                       # under half a microsecond later
+    with capture_logs() as logs:
+        rig.off.land()
+        rig.progress()
+    (landed,) = [e for e in logs if e["event"] == audit.CHUNK_LANDED]
+    assert landed["latency_s"] == 0.0
+
+
+def test_generations_count_every_readmit():
+    rig = Rig(PS, rows=6)
+    req, _ = rig.admit("g", 8, 16)
+    for gen in (1, 2):
+        rig.decode(req, 1, first=7000 + gen)
+        rig.mgr.finalize_release_on_finish(req)      # retracted
+        rig.pool.alloc()                             # its old row goes to someone else
+        row = rig.pool.alloc()
+        rig.pool.req_to_token[row, :16] = rig.alloc.alloc(16).to(rig.pool.req_to_token.dtype)
+        req.kv.req_pool_idx = row
+        rig.mgr.readmit(req)
+    with capture_logs() as logs:
+        rig.decode(req, 4, first=7100)
+    assert {e["gen"] for e in logs if "gen" in e} == {2}
+
+
+def test_release_of_a_never_seen_unfinished_request_is_refused_as_unseen():
+    rig = Rig(PS)
+    req, _ = rig.admit("u", 8, 8)
+    with capture_logs() as logs, pytest.raises(InvalidTransition) as info:
+        rig.mgr._release_finished_req(req)
+    err = info.value
+    assert (err.rid, err.trigger, err.state) == ("u", "release", "UNSEEN")
+    assert err.reason == "the request is neither finished nor finalized"
+    (log,) = [e for e in logs if e["event"] == audit.REFUSED]
+    assert (log["rid"], log["trigger"], log["state"], log["reason"]) == ("u", "release", "UNSEEN", err.reason)
+
+
+def test_a_finished_request_released_at_first_sight_keeps_its_prompt_chain():
+    rig = Rig(PS)
+    req, _ = rig.admit("f", 8, 8)
+    req.finish()
+    rig.mgr._release_finished_req(req)
+    prog = rig.mgr.progress_of(req)
+    assert (prog.inc_len, prog.last_hash) == (0, page_hashes(req.origin_input_ids, PS)[-1])
+
+
+def test_a_non_callable_check_free_attribute_is_ignored():
+    alloc, pool = PagedTokenAllocator(4 * 64, PS), ReqToTokenPool(4, 64)
+    alloc.check_free = pool.check_free = "not a method"
+    rig = Rig(PS, pool=pool, alloc=alloc)
+    req, _ = rig.admit("c", 8, 8)
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    assert rig.mgr.state_of(req) is State.RELEASED
