@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import msgspec
-import numpy as np
 import torch
 
 from transfer.copy_engine import CopyEngine, make_copy_engine
