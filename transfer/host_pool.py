@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from transfer.log import get_logger
-
 from transfer.errors import BadIndices
 from transfer.indices import page_ids, slots_of_pages
+from transfer.log import get_logger
 from transfer.page_set import PageSet
 
 log = get_logger(__name__)
