@@ -277,8 +277,8 @@ def test_shutdown_refuses_with_work_pending_then_force_abandons_it_and_closes_th
         pending = rig.mgr.shutdown(force=True, timeout_s=2.5)
     assert pending.copies == 2
     (ab,) = events(logs, audit.ABANDONED)
-    assert pick(ab, "held_slots", "acks", "quarantined_slots", "log_level") == dict(
-        held_slots=8, acks=[1, 2], quarantined_slots=0, log_level="error")
+    assert pick(ab, "held_slots", "copies", "quarantined_slots", "log_level") == dict(
+        held_slots=8, copies=[("z", 1, 8, 12), ("z", 2, 12, 16)], quarantined_slots=0, log_level="error")
     assert ab["pending"] == pending.describe()
     assert rig.off.closed_with == [2.5]
     rig.mgr.shutdown()                                  # idempotent: no second close
