@@ -19,5 +19,5 @@ EXPIRED_COPY_ENDED = "lifecycle.expired_copy_ended"  # rid, ack_id, slots_freed
 ALL = (TRANSITION, CHUNK_ENQUEUED, CHUNK_LANDED, HOST_SHORT, STORED, RELEASED, LEAKED, REFUSED,
        COPY_FAILED, COPY_EXPIRED, EXPIRED_COPY_ENDED)
 HOST_SHORT_SUMMARY = "lifecycle.host_short_summary"  # refused, total, interval_s (a WARNING, rate-limited)
-ABANDONED = "lifecycle.abandoned"          # pending, held_slots, acks, quarantined_slots (shutdown(force=True))
+ABANDONED = "lifecycle.abandoned"          # pending, acks, copies, held_slots, quarantined_slots, why (shutdown(force=True))
 ALL = ALL + (HOST_SHORT_SUMMARY, ABANDONED)

@@ -123,9 +123,8 @@ def _guard_reason(record, trigger: str, kwargs: dict) -> str:
 def _bind_guard(guard):
     def check(fire) -> bool:
         rec, kw = fire.model, fire.kwargs
-        finished, finalizing = kw.get("finished", False), kw.get("finalizing", False)
-        if finished or finalizing:
-            return guard(Facts(rec.state, rec.inflight, finished, finalizing))
+        if "finished" in kw or "finalizing" in kw:
+            return guard(Facts(rec.state, rec.inflight, kw.get("finished", False), kw.get("finalizing", False)))
         return guard(rec)  # a Record has the Facts attributes (finished/finalizing False)
 
     check.__name__ = check.__qualname__ = guard.__name__

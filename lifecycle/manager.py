@@ -14,12 +14,13 @@ from __future__ import annotations
 import inspect
 import itertools
 import time
+from logging import DEBUG
 from collections import deque
 
 import msgspec
 
 from lifecycle import audit, config, integrity, settle, table
-from lifecycle.calls import CLOSED, CallGate
+from lifecycle.calls import BUSY, CLOSED, CallGate
 from lifecycle.errors import LifecycleError
 from lifecycle.log import get_logger
 from lifecycle.machine import EVENTS
@@ -156,9 +157,13 @@ class DecodeOffloadManager(CallGate):
             LifecycleError: a finished request's release was refused when its last copy landed
                 (after settling the rest; it stays FINISHED until ``_release_finished_req``).
         """
-        self._enter()
+        if self._gate is not None:  # _enter, inlined on the per-iteration path
+            self._refuse_gate()
+        self._gate = BUSY
+        self._debug = self._log.is_enabled_for(DEBUG)
         try:
-            table.drain_dropped(self)
+            if self._dropped:
+                table.drain_dropped(self)
             settle.progress(self)
         finally:
             self._leave()
@@ -318,6 +323,7 @@ class DecodeOffloadManager(CallGate):
                 raise LifecycleError(f"shutdown refused: {pending.describe()}")
             if busy:
                 self._emit(self._log.error, audit.ABANDONED, pending=pending.describe(),
+                           acks=sorted(self._ongoing),
                            copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in self._ongoing.items()],
                            held_slots=sum(c.indices.numel() for c in self._ongoing.values()),
                            quarantined_slots=pending.quarantined_slots,
@@ -357,7 +363,8 @@ class DecodeOffloadManager(CallGate):
             self._leave()
 
     def _offload_chunk(self, rec: Record, req, n: int) -> bool:
-        self._enter()
+        self._gate = BUSY  # _enter, inlined on the per-chunk path (the caller checked the gate)
+        self._debug = self._log.is_enabled_for(DEBUG)
         try:
             view = read_request(self, req, rec)
             chunk = plan_chunk(self, rec, req, view, n)

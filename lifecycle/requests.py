@@ -9,8 +9,6 @@ raises a ``LifecycleError`` (``InvalidRequest``, ``InvalidToken``) naming the re
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
-
 import torch
 
 from hashing import TokenRangeError, page_hashes
@@ -21,12 +19,14 @@ _SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
 _KV_SHAPE = ("req_pool_idx", "kv_committed_len", "kv_allocated_len")
 
 
-class View(NamedTuple):
-    """What one call read from a request, checked: its row and KV lengths."""
+class View(tuple):
+    """What one call read from a request, checked: ``(row, committed, allocated)`` (a plain tuple
+    subclass with named accessors: built once per call on the hot path)."""
 
-    row: int
-    committed: int
-    allocated: int
+    __slots__ = ()
+    row = property(lambda self: self[0])
+    committed = property(lambda self: self[1])
+    allocated = property(lambda self: self[2])
 
 
 def check_shape(req) -> None:
@@ -75,6 +75,14 @@ def read_request(mgr, req, rec=None) -> View:
             are not non-negative ints with committed <= allocated <= the row width.
     """
     shape = mgr.req_to_token_pool.req_to_token.shape
+    if rec is not None:  # the common case, checked in one pass; any doubt takes the full path below
+        kv = req.kv
+        effective = getattr(req, "effective_kv_committed_len", None)
+        committed = effective() if effective is not None and callable(effective) else kv.kv_committed_len
+        allocated = kv.kv_allocated_len
+        if (kv.req_pool_idx == rec.row and type(committed) is int and type(allocated) is int
+                and 0 <= committed <= allocated <= shape[1]):
+            return View((rec.row, committed, allocated))
     if rec is None:  # a record's request was checked for shape and ownership when first seen
         check_shape(req)
         mgr._owners.check(req, mgr)
@@ -91,7 +99,7 @@ def read_request(mgr, req, rec=None) -> View:
         raise InvalidRequest(f"request {req.rid!r}: committed {committed} > allocated {allocated}")
     if allocated > shape[1]:
         raise InvalidRequest(f"request {req.rid!r}: allocated {allocated} exceeds the row width {shape[1]}")
-    return View(row, committed, allocated)
+    return View((row, committed, allocated))
 
 
 def hashes(rid, tokens, page_size: int, prior, offset: int) -> list[str]:
@@ -149,6 +157,9 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
         tokens = list(out[start - n_in : end - n_in])
     else:
         tokens = list(origin[start:]) + list(out[: end - n_in])
-    names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
+    try:
+        names = page_hashes(tokens, mgr.page_size, rec.offload.last_hash)
+    except TokenRangeError:
+        names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
     indices = mgr.req_to_token_pool.req_to_token[view.row, start:end].to(torch.int64, copy=True)
     return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices)

@@ -21,15 +21,19 @@ def poll(mgr) -> list:
     if mgr._poll_expired is not None:
         for ack in mgr._poll_expired():
             chunk = mgr._ongoing.pop(ack, None)
-            if chunk is not None:
-                refused += on_expired(mgr, chunk)
-    collect(mgr)
+            err = on_expired(mgr, chunk) if chunk is not None else None
+            if err is not None:
+                refused.append(err)
+    mgr._landed.update(mgr.offloader.finished_writes())
+    if mgr._poll_failed is not None:  # a subset of what finished_writes just reported
+        mgr._failed.update(mgr._poll_failed())
+    mgr._stored.update(mgr.offloader.finished_storage())
     return refused
 
 
 def collect(mgr) -> None:
     """Move the landings, failures and finished storage ops the offloader reports into the
-    manager's unsettled sets (``stats().unsettled``); settles nothing."""
+    manager's unsettled sets (``stats().unsettled``); settles nothing (``poll`` without expiry)."""
     mgr._landed.update(mgr.offloader.finished_writes())
     if mgr._poll_failed is not None:  # a subset of what finished_writes just reported
         mgr._failed.update(mgr._poll_failed())
@@ -62,7 +66,9 @@ def progress(mgr) -> None:
         acks, ops = acks[:n_writes], ops[:n_stored]
     for ack in acks:
         landed.discard(ack)
-        refused += on_landed(mgr, mgr._ongoing.pop(ack))
+        err = on_landed(mgr, mgr._ongoing.pop(ack))
+        if err is not None:
+            refused.append(err)
     for op_id in ops:
         stored.discard(op_id)
         on_stored(mgr, mgr._storage_ops.pop(op_id))
@@ -72,7 +78,7 @@ def progress(mgr) -> None:
         raise refused[0]
 
 
-def on_landed(mgr, chunk: Chunk) -> list:
+def on_landed(mgr, chunk: Chunk):
     """A copy landed: store its pages (or drop them: a failed copy), then move the request on."""
     rec = chunk.rec
     rec.inflight -= 1
@@ -102,26 +108,26 @@ def on_landed(mgr, chunk: Chunk) -> list:
     return after_copy(mgr, rec, chunk.req)
 
 
-def after_copy(mgr, rec, req) -> list:
+def after_copy(mgr, rec, req):
     """A copy of the request is no longer in flight: move on when it was the last. Returns the
-    refusal of the release it attempted, if any (the request then stays FINISHED)."""
+    refusal of the release it attempted, if any (the request then stays FINISHED), else None."""
     if rec.inflight:
-        return []
+        return None
     if rec.state is _INFLIGHT:
         mgr._fire["landed"](rec, mgr=mgr, req=req)
         if not req.finished():
-            return []
+            return None
     elif rec.state is not _FINISHED:
-        return []
+        return None
     try:
         mgr._release(rec, req)
     except LifecycleError as err:
         mgr._emit(rec.log.error, audit.REFUSED, trigger="release", state=rec.state.name, reason=str(err))
-        return [err]
-    return []
+        return err
+    return None
 
 
-def on_expired(mgr, chunk: Chunk) -> list:
+def on_expired(mgr, chunk: Chunk):
     """A copy passed its deadline: stop waiting for it, but quarantine the slots it may read."""
     rec = chunk.rec
     rec.inflight -= 1

@@ -80,8 +80,12 @@ class Logger:
         return Logger(self.name, {**self.context, **fields}, self._std)
 
     def is_enabled_for(self, level: int) -> bool:
-        """Whether an event at ``level`` would be emitted now (checked at call time)."""
-        if _structlog_configured():
+        """Whether an event at ``level`` would be emitted now (checked at call time, cheaply)."""
+        config = _CONFIG
+        if config is not None and config.is_configured:
+            floor = _FILTERING.get(config.default_wrapper_class)
+            return level >= floor if floor is not None else _structlog_enabled(self.name, level)
+        if config is None and structlog.is_configured():
             return _structlog_enabled(self.name, level)
         return self._std.isEnabledFor(level)
 

@@ -408,3 +408,25 @@ def test_with_structlog_configured_events_follow_it_and_the_file_stays_empty(sto
     mgr.release_host_resources()
     assert any(e["event"] == "lifecycle.released" for e in logs)
     assert os.path.getsize(path) == 0
+
+
+def test_sglang_releasing_a_finished_request_with_a_copy_in_flight_frees_it_once(store_dir):
+    from lifecycle.integrations.sglang.install import _release_hook
+
+    node = Node(doubles_kit())
+    full = node.alloc.available_size()
+    mgr = build(node)
+    called = []
+    hook = _release_hook(lambda req, tree, is_insert=True: called.append(req))
+    req = node.admit("f", list(range(4)), 5)
+    for _ in range(4):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(3)
+    req.finished_reason = "length"
+    assert mgr.offload_kv_cache(req)  # the last chunk: released when it lands
+    assert hook(req, node.tree) is None
+    assert called == []  # the lifecycle released it after the copy: SGLang must not free it again
+    assert req.kv.req_pool_idx is None and node.alloc.available_size() == full
+    assert len(node.tree.freed_rows) == 1
+    mgr.check_integrity()
+    mgr.release_host_resources()

@@ -147,3 +147,27 @@ def test_importing_the_integration_imports_no_sglang():
     import subprocess
 
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("switch", ["1", None], ids=["on", "off"])
+def test_sglangs_plugin_loader_installs_ours_only_when_switched_on(switch):
+    """Where sglang is importable and kv-lifecycle is installed with its entry points: what
+    ``run_scheduler_process`` does first (``load_plugins()``), in a fresh process."""
+    pytest.importorskip("sglang.srt.plugins", reason="sglang is not importable here")
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "kv_lifecycle" for ep in entry_points(group="sglang.srt.plugins")):
+        pytest.skip("kv-lifecycle is installed without its sglang.srt.plugins entry point (reinstall it)")
+    import subprocess
+
+    code = ("import sglang.srt.managers.scheduler as s, lifecycle.integrations.sglang as L\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "own = s.DecodeKVCacheOffloadManager\n"
+            "load_plugins()\n"
+            "print(s.DecodeKVCacheOffloadManager is L.DecodeKVCacheOffloadManager, s.DecodeKVCacheOffloadManager is own)")
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if switch:
+        env[ENV] = switch
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout.split()[-2:]
+    assert out == (["True", "False"] if switch else ["False", "True"])
