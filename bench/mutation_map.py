@@ -41,7 +41,8 @@ GROUPS: dict[str, dict[str, list[str]]] = {
     "transfer.offloader": {
         "mutate": ["transfer/host_offloader.py", "transfer/offloader.py", "transfer/memory.py",
                    "transfer/copy_engine.py", "transfer/gather.py", "transfer/worker.py",
-                   "transfer/stack.py", "transfer/shutdown.py", "transfer/kv_pattern.py"],
+                   "transfer/stack.py", "transfer/shutdown.py", "transfer/kv_pattern.py",
+                   "transfer/errors.py", "transfer/log.py"],
         "tests": ["tests/transfer/test_host_offloader.py", "tests/transfer/test_copy_engine.py",
                   "tests/transfer/test_faults.py", "tests/transfer/test_stack.py",
                   "tests/transfer/test_end_to_end.py", "tests/transfer/test_gather*.py",
