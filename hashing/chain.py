@@ -11,6 +11,7 @@ prefix up to and including that page.
 from __future__ import annotations
 
 import hashlib
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -104,13 +105,12 @@ def page_hashes(
     if n_pages == 0:
         return []
     end = n_pages * page_size
-    data = memoryview(_pack(tokens if len(tokens) == end else tokens[:end])).cast("B")
-    step = 4 * page_size
+    data = _pack(tokens if len(tokens) == end else tokens[:end])
     sha256 = hashlib.sha256
-    # One C call per page on a memoryview slice; digests chained in binary, hex once at the end.
-    digests = [
-        prior := sha256(prior + data[off : off + step]).digest() for off in range(0, end * 4, step)
-    ]
+    # The packed buffer split into per-page bytes by one C iterator (no slice objects), one
+    # sha256 call per page, digests chained in binary, hex once per page at the end.
+    pages = struct.iter_unpack(f"{4 * page_size}s", data)
+    digests = [prior := sha256(prior + page).digest() for (page,) in pages]
     return list(map(bytes.hex, digests))
 
 
