@@ -107,6 +107,8 @@ def page_hashes(
     end = n_pages * page_size
     data = _pack(tokens if len(tokens) == end else tokens[:end])
     sha256 = hashlib.sha256
+    if n_pages == 1:  # a decode-stride chunk: skip the per-page machinery
+        return [sha256(prior + data.tobytes()).hexdigest()]
     # The packed buffer split into per-page bytes by one C iterator (no slice objects), one
     # sha256 call per page, digests chained in binary, hex once per page at the end.
     pages = struct.iter_unpack(f"{4 * page_size}s", data)
