@@ -170,12 +170,29 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _passes(row: dict, facts: Facts, guards: dict) -> str | None:
-    """None when the row's guards allow it, else the failing guard (``!name`` for ``unless``)."""
-    for name in _as_list(row.get("conditions")):
+_COMPILED: dict = {}  # id(table) -> (table, {(trigger, state): [(conditions, unless, dest), ...]})
+
+
+def _compiled(table) -> dict:
+    """The table indexed by (trigger, source state), its guard names as tuples (once per table)."""
+    hit = _COMPILED.get(id(table))
+    if hit is not None and hit[0] is table:
+        return hit[1]
+    index: dict = {}
+    for row in table:
+        entry = (tuple(_as_list(row.get("conditions"))), tuple(_as_list(row.get("unless"))), row["dest"])
+        for src in _as_list(row["source"]):
+            index.setdefault((row["trigger"], src), []).append(entry)
+    _COMPILED[id(table)] = (table, index)
+    return index
+
+
+def _failing_guard(conditions, unless, facts: Facts, guards: dict) -> str | None:
+    """None when the guards allow the row, else the failing guard (``!name`` for ``unless``)."""
+    for name in conditions:
         if not guards[name](facts):
             return name
-    for name in _as_list(row.get("unless")):
+    for name in unless:
         if guards[name](facts):
             return "!" + name
     return None
@@ -193,12 +210,10 @@ def decide(trigger: str, facts: Facts, table=TRANSITIONS, guards=GUARDS, refusal
         generic ``Refusal`` naming the guard or state when none is declared).
     """
     failed = None
-    for row in table:
-        if row["trigger"] != trigger or facts.state not in _as_list(row["source"]):
-            continue
-        failed = _passes(row, facts, guards)
+    for conditions, unless, dest in _compiled(table).get((trigger, facts.state), ()):
+        failed = _failing_guard(conditions, unless, facts, guards)
         if failed is None:
-            return row["dest"]
+            return dest
     for r in refusals:
         if r.trigger == trigger and (
             (failed is not None and r.guard == failed) or (failed is None and facts.state in r.states)
