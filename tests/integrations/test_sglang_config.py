@@ -105,10 +105,20 @@ def _with(obj, **attrs):
     return obj
 
 
-def test_a_tree_cache_without_free_kv_row_is_refused(store_dir):
+class SWARadixCache:
+    """SGLang's SWA (and Mamba) radix caches keep per-component protected sizes, no ``protected_size_``."""
+
+    full_protected_size_ = swa_protected_size_ = 0
+
+    def free_kv_row(self, kv, ranges):
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize("tree,match", [(object(), "free_kv_row"), (SWARadixCache(), "protected_size_")])
+def test_a_tree_cache_the_release_cannot_go_through_is_refused(store_dir, tree, match):
     node = Node(doubles_kit())
-    node.tree = object()
-    with pytest.raises(SGLangConfigError, match="free_kv_row"):
+    node.tree = tree
+    with pytest.raises(SGLangConfigError, match=match):
         construct(node, runtime_context(page_size=4))
     assert not os.path.exists(store_dir)
 
