@@ -71,10 +71,10 @@ class MooncakeStorage(ClientSession, Storage):
         StorageConfigError: bad settings.
 
     Failure behaviour: every operation checks the client's health flag (instant) and a
-    ``CircuitBreaker``; while the master is away ``batch_exists`` is 0, ``batch_get`` misses and
-    ``batch_set`` / ``delete`` raise ``StorageUnavailable`` — without blocking. ``batch_exists``
-    (run on the scheduler thread by prefix lookups) additionally has a deadline
-    (``exists_timeout_s``); a check that misses it is a miss and opens the breaker. Reads and
+    ``CircuitBreaker``; while the master is away ``batch_get`` misses and ``batch_exists``,
+    ``batch_set`` and ``delete`` raise ``StorageUnavailable`` — without blocking (``PrefixLoader``
+    turns a raising lookup into a counted miss). ``batch_exists`` additionally has a deadline
+    (``exists_timeout_s``); a check that misses it raises and opens the breaker. Reads and
     writes wait for Mooncake's own bounded RPC timeouts (they run on storage workers, and their
     buffers must not be abandoned). After a master restart (empty) the client re-registers by
     itself and writes resume; a dead replica holder makes its pages misses (``holder_gone``).
@@ -298,37 +298,45 @@ class MooncakeStorage(ClientSession, Storage):
                         detail="page without a seal (written by SGLang?) served; require_checksum=1 refuses them")
 
     def batch_exists(self, keys: Sequence[str]) -> int:
-        """See ``Storage.batch_exists``. Bounded by ``exists_timeout_s`` (it runs on the scheduler
-        thread); the master away or slow: 0, counted ``unavailable``, breaker opened."""
+        """See ``Storage.batch_exists``. Bounded by ``exists_timeout_s`` (a check runs on a helper
+        thread). Raises ``StorageUnavailable`` at once while the master is away (breaker open, or
+        the client unhealthy), and when the check misses its deadline (which opens the breaker) —
+        so a caller such as ``PrefixLoader`` counts the miss."""
         check_keys(keys)
         if not keys:
             return 0
-        store = self._usable("exists")
-        if store is None or not self._exists_busy.acquire(timeout=self.settings.exists_timeout_s):
-            return 0  # another check is running, and did not end within the deadline
+        store = self._require("exists")
         step = self.naming.kinds + int(self.settings.require_checksum)
         names = []
         for key in keys:
             names += self.naming.objects(key)
             if self.settings.require_checksum:
                 names.append(self.naming.seal_object(key))
-        try:
-            future = self._exists_pool.submit(self._exists_call, store, names)
-        except RuntimeError:  # closed meanwhile
-            self._exists_busy.release()
-            return 0
-        try:
-            codes = future.result(self.settings.exists_timeout_s)
-        except FutureTimeout:
-            self.breaker.failure(f"existence check exceeded {self.settings.exists_timeout_s} s")
-            self._count(unavailable=1)
-            return 0
+        codes = self._exists_codes(store, names)
         if not self._outcome(codes, "exists"):
-            return 0
+            raise StorageUnavailable(f"mooncake storage at {self.url} is unreachable (exists)")
         n = 0
         while n < len(keys) and all(c == 1 for c in codes[n * step:(n + 1) * step]):
             n += 1
         return n
+
+    def _exists_codes(self, store, names: list[str]) -> list[int]:
+        """``batch_is_exist`` on the helper thread, waited for at most ``exists_timeout_s``."""
+        deadline = self.settings.exists_timeout_s
+        if not self._exists_busy.acquire(timeout=min(0.01, deadline)):  # one still running: the tier is slow
+            self._count(unavailable=1)
+            raise StorageUnavailable(f"mooncake storage at {self.url}: an existence check is still running")
+        try:
+            future = self._exists_pool.submit(self._exists_call, store, names)
+        except RuntimeError:  # closed meanwhile
+            self._exists_busy.release()
+            raise StorageUnavailable(f"mooncake storage at {self.url} is closed") from None
+        try:
+            return future.result(deadline)
+        except FutureTimeout:
+            self.breaker.failure(f"existence check exceeded {deadline} s")
+            self._count(unavailable=1)
+            raise StorageUnavailable(f"mooncake storage at {self.url}: existence check exceeded {deadline} s") from None
 
     def _exists_call(self, store, names: list[str]) -> list[int]:
         try:

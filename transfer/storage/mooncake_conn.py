@@ -79,7 +79,7 @@ class MooncakeSettings(msgspec.Struct, frozen=True):
         preferred_segment: segment (``host:port`` of a client) to place objects on ('': any;
             ``local``: this client's own segment, so a node's own reuse is a memory copy).
         connect_timeout_s: TCP probe of the master. setup_timeout_s: bound on ``setup``.
-        exists_timeout_s: deadline of one existence check (it runs on the scheduler thread).
+        exists_timeout_s: deadline of one existence check (``PrefixLoader`` has its own, shorter).
         lazy: do not fail at open when the master is away; connect in the background.
         require_checksum: a page without our seal (written by SGLang) is a miss.
         seal: write a seal object per page (False: pure SGLang objects, nothing else).
@@ -98,7 +98,7 @@ class MooncakeSettings(msgspec.Struct, frozen=True):
     preferred_segment: str = ""
     connect_timeout_s: float = 0.5
     setup_timeout_s: float = 15.0
-    exists_timeout_s: float = 0.25
+    exists_timeout_s: float = 1.0
     lazy: bool = False
     require_checksum: bool = False
     seal: bool = True
