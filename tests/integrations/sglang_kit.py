@@ -100,6 +100,8 @@ class Node:
         kv.kv_allocated_len = max(kv.kv_allocated_len, n_tokens)
         loc = table[row, kv.kv_committed_len:n_tokens].long()
         values = self.expected[req.rid][kv.kv_committed_len:n_tokens]
+        store = self.kv.store_dtype  # fp8 is stored as uint8: set_kv_buffer writes a bit view
+        values = values if store == self.dtype else values.view(store)
         for layer in range(self.layers):  # what set_kv_buffer stores for an unquantized pool
             if self.mla:
                 self.kv.kv_buffer[layer][loc] = values[:, 0, layer]

@@ -430,3 +430,18 @@ def test_sglang_releasing_a_finished_request_with_a_copy_in_flight_frees_it_once
     assert len(node.tree.freed_rows) == 1
     mgr.check_integrity()
     mgr.release_host_resources()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float16, torch.float32], ids=str)
+def test_stored_pages_are_bit_exact_for_every_kv_dtype(store_dir, dtype):
+    """fp8 KV lives in uint8 buffers (SGLang's store_dtype); every dtype reaches the file unchanged."""
+    node = Node(doubles_kit(), dtype=dtype)
+    mgr = build(node)
+    assert mgr.decode_host_mem_pool.dtype == node.kv.store_dtype
+    reqs = run_decode(node, mgr, [("d", list(range(6)), 12, 0)])
+    suffix = hicache_file_suffix(MODEL, 0, 1, False)
+    want = expected_pages(node, reqs[0], mgr.offload_stride)
+    assert want and sorted(os.listdir(store_dir)) == sorted(f"{h}{suffix}.bin" for h, _ in want)
+    for h, data in want:
+        assert hicache_file_get(store_dir, h, suffix, mgr.decode_host_mem_pool.page_nbytes) == data
+    mgr.release_host_resources()
