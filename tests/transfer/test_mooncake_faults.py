@@ -161,3 +161,26 @@ def test_preferred_local_segment_keeps_pages_when_another_holder_dies(make_moonc
         assert s.stats().holder_gone == 0
     finally:
         s.close()
+
+
+def test_a_full_store_refuses_pages_and_never_leaves_one_without_its_seal(make_mooncake):
+    master = make_mooncake()
+    s = open_storage(master.spec(global_segment_size="16MiB"), "_m_0_1", None)  # the only segment
+    try:
+        nb = 256 << 10
+        n = (32 << 20) // nb  # twice what fits
+        keys = fresh_hashes(n)
+        pool = torch.randint(0, 256, (n, nb), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        got = s.batch_set(keys, list(pool))
+        assert 0 < got.count(True) < n and s.stats().no_space >= 1 and s.stats().stored == got.count(True)
+        for key, ok in zip(keys, got):
+            if not ok:  # a refused page is never left visible as a whole page of ours without its seal
+                present = s._store.batch_is_exist(s.naming.objects(key) + [s.naming.seal_object(key)])
+                assert present[:2] != [1, 1] or present[2] == 1
+        out = torch.zeros(n, nb, dtype=torch.uint8)
+        read = s.batch_get(keys, list(out))  # Mooncake evicts objects to make room: stored pages may be gone
+        assert any(read) and s.stats().corrupt == 0
+        assert all(torch.equal(out[i], pool[i]) for i, r in enumerate(read) if r)
+        assert all(not out[i].any() for i, r in enumerate(read) if not r)
+    finally:
+        s.close()
