@@ -366,5 +366,7 @@ class MooncakeStorage(ClientSession, Storage):
         return gone
 
     def stats(self) -> MooncakeStorageStats:
+        """A snapshot of this client's counters (``pages`` / ``bytes`` stay 0: the store is shared
+        and evicts by itself; its contents are the master's to report)."""
         with self._lock:
             return msgspec.structs.replace(self._stats)
