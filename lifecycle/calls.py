@@ -5,10 +5,11 @@ call's state is consistent (a log processor that calls back into the manager fin
 
 from __future__ import annotations
 
+import inspect
 import logging
 
-from lifecycle import audit
-from lifecycle.errors import InvalidTransition, ManagerClosed, ReentrantCall
+from lifecycle import audit, integrity, settle
+from lifecycle.errors import InvalidTransition, LifecycleError, ManagerClosed, ReentrantCall
 from lifecycle.records import Record
 from lifecycle.states import Facts, Refusal, decide
 
@@ -69,3 +70,33 @@ class CallGate:
                        total=self._host_short, interval_s=HOST_SHORT_WARN_S)
             self._host_short_warned_at, self._host_short_since_warning = now, 0
 
+
+def shutdown(mgr, force: bool, timeout_s: float):
+    """``DecodeOffloadManager.shutdown``: refuse or abandon what is pending, close in bounded time."""
+    if mgr._gate == CLOSED:
+        return integrity.pending(mgr)
+    mgr._enter()
+    try:
+        settle.collect(mgr)
+        pending = integrity.pending(mgr)
+        busy = not mgr.idle()
+        if busy and not force:
+            raise LifecycleError(f"shutdown refused: {pending.describe()}")
+        if busy:
+            mgr._emit(mgr._log.error, audit.ABANDONED, pending=pending.describe(),
+                      acks=sorted(mgr._ongoing),
+                      copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in mgr._ongoing.items()],
+                      held_slots=sum(c.indices.numel() for c in mgr._ongoing.values()),
+                      quarantined_slots=pending.quarantined_slots,
+                      why="a copy may still read these slots: they stay allocated, never reused")
+    finally:
+        mgr._leave()
+    mgr._gate = CLOSED
+    close = getattr(mgr.offloader, "close", None)
+    if callable(close):
+        params = inspect.signature(close).parameters
+        name = next((n for n in ("timeout", "timeout_s") if n in params), None)
+        report = close(**{name: timeout_s}) if name else close()
+        if getattr(report, "clean", True) is False:
+            mgr._log.error(audit.ABANDONED, pending=str(report))
+    return pending

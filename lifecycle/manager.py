@@ -11,7 +11,6 @@ live in ``lifecycle.integrity``. The per-step fast path fires nothing.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import time
 from logging import DEBUG
@@ -19,9 +18,8 @@ from collections import deque
 
 import msgspec
 
-from lifecycle import audit, config, integrity, settle, table
-from lifecycle.calls import BUSY, CLOSED, CallGate
-from lifecycle.errors import LifecycleError
+from lifecycle import config, integrity, settle, table
+from lifecycle.calls import BUSY, CLOSED, CallGate, shutdown
 from lifecycle.log import get_logger
 from lifecycle.machine import EVENTS
 from lifecycle.records import OffloadedState, Record, Stats
@@ -312,33 +310,7 @@ class DecodeOffloadManager(CallGate):
             LifecycleError: work is pending (unless ``force``); names it. Nothing closed.
             ReentrantCall: called from inside another call.
         """
-        if self._gate == CLOSED:
-            return integrity.pending(self)
-        self._enter()
-        try:
-            settle.collect(self)
-            pending = integrity.pending(self)
-            busy = not self.idle()
-            if busy and not force:
-                raise LifecycleError(f"shutdown refused: {pending.describe()}")
-            if busy:
-                self._emit(self._log.error, audit.ABANDONED, pending=pending.describe(),
-                           acks=sorted(self._ongoing),
-                           copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in self._ongoing.items()],
-                           held_slots=sum(c.indices.numel() for c in self._ongoing.values()),
-                           quarantined_slots=pending.quarantined_slots,
-                           why="a copy may still read these slots: they stay allocated, never reused")
-        finally:
-            self._leave()
-        self._gate = CLOSED
-        close = getattr(self.offloader, "close", None)
-        if callable(close):
-            params = inspect.signature(close).parameters
-            name = next((n for n in ("timeout", "timeout_s") if n in params), None)
-            report = close(**{name: timeout_s}) if name else close()
-            if getattr(report, "clean", True) is False:
-                self._log.error(audit.ABANDONED, pending=str(report))
-        return pending
+        return shutdown(self, force, timeout_s)
 
     # --- planned steps -----------------------------------------------------------------------------
 

@@ -45,3 +45,27 @@ def test_the_required_transitions_are_declared():
 def test_refusals_name_a_declared_trigger():
     triggers = {r["trigger"] for r in TRANSITIONS}
     assert {r.trigger for r in REFUSALS} <= triggers
+
+
+def test_decide_walks_the_table_with_its_guards_and_names_the_refusal():
+    from lifecycle.states import Facts, Refusal, decide
+
+    assert decide("release", Facts(State.FINISHED, 0)) is State.RELEASED
+    refusal = decide("release", Facts(State.FINISHED, 2))
+    assert isinstance(refusal, Refusal) and refusal.guard == "!copies_in_flight"
+    assert refusal.explain(Facts(State.FINISHED, 2)) == "2 copies still in flight"
+    assert decide("finish", Facts(State.PREFILLED)).guard == "done"
+    assert decide("finish", Facts(State.PREFILLED, finalizing=True)) is State.FINISHED
+    assert decide("readmit", Facts(State.INFLIGHT, 1)).reason == "only a RELEASED request can be readmitted"
+
+
+def test_a_guard_added_to_the_table_changes_what_decide_allows():
+    from lifecycle.states import GUARDS, Facts, Refusal, decide
+
+    guarded = tuple(dict(r, unless="copies_in_flight") if r["trigger"] == "finish" else r for r in TRANSITIONS)
+    facts = Facts(State.INFLIGHT, 1, finalizing=True)
+    assert decide("finish", facts) is State.FINISHED
+    verdict = decide("finish", facts, table=guarded)
+    assert isinstance(verdict, Refusal) and verdict.guard == "!copies_in_flight"
+    guards = {**GUARDS, "done": lambda f: f.finished}  # a stricter predicate behind the same name
+    assert isinstance(decide("finish", facts, guards=guards), Refusal)
