@@ -4,7 +4,9 @@ A host page is ``HostPool.buffer[page] = [kinds, page_size, layers, heads, head_
 page of layer ``l`` is ``buffers[kind][l][slot:slot + page_size]``. Both sides are reinterpreted
 as the integer type of the same width, so every dtype moves bit-exact.
 
-* CPU: per run of pages consecutive on both sides, one strided copy per (kind, layer).
+* CPU: per run of pages consecutive on both sides, one strided copy per (kind, layer); when the
+  device pages are scattered (more such runs than runs of host pages), one row gather per
+  (kind, layer) and run of host pages instead.
 * CUDA: per (kind, layer) one device ``index_select`` into a staging buffer in host page order,
   then one async D2H copy per run of consecutive host pages (on the engine's copy stream).
 
@@ -52,6 +54,12 @@ class LayeredChunkCopy:
         else:
             firsts = slots.view(-1, self.ps)[:, 0].tolist()
             self.block_runs = _block_runs(firsts, host_pages.tolist(), self.ps)
+            self.runs = page_runs(host_pages)
+            # scattered device pages: one row gather per buffer and host run beats one slice copy
+            # per buffer and page (the per-call cost dominates small pages)
+            self.gather = len(self.block_runs) > len(self.runs)
+            if self.gather:
+                self.index = slots.to(torch.int64)
 
     def _pages(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t.view(n, self.ps, self.kv.heads, self.kv.head_dim)
@@ -68,6 +76,13 @@ class LayeredChunkCopy:
             for pos, first, length in self.runs:
                 self.host_words[first:first + length].copy_(staging[pos:pos + length], non_blocking=True)
             self.staging = staging  # alive until the copy's event fires
+            return
+        if self.gather:
+            for pos, first, n in self.runs:
+                rows = self.index[pos * self.ps:(pos + n) * self.ps]
+                for k, per_layer in enumerate(self.dev):
+                    for layer, buf in enumerate(per_layer):
+                        self.host_words[first:first + n, k, :, layer].copy_(self._pages(buf.index_select(0, rows), n))
             return
         for dev, host, n in self.block_runs:
             for k, per_layer in enumerate(self.dev):
@@ -89,6 +104,14 @@ class LayeredChunkCopy:
                     rows = staging[:, k, :, layer].reshape(n, kv.heads, kv.head_dim)
                     buf.index_copy_(0, self.index, rows)
             self.staging = staging
+            return
+        if self.gather:
+            for pos, first, n in self.runs:
+                rows = self.index[pos * self.ps:(pos + n) * self.ps]
+                for k, per_layer in enumerate(self.dev):
+                    for layer, buf in enumerate(per_layer):
+                        part = self.host_words[first:first + n, k, :, layer]
+                        buf.index_copy_(0, rows, part.reshape(n * self.ps, kv.heads, kv.head_dim))
             return
         for dev, host, n in self.block_runs:
             for k, per_layer in enumerate(self.dev):
