@@ -153,11 +153,17 @@ class _Replayer:
         life.inflight[ack] = chunk
         life.enqueue_pending = True
 
-    def chunk_landed(self, ev: dict, line: int, t: float) -> None:
+    def _chunk_of(self, ev: dict, line: int, missing: str):
+        """(ack id, its Chunk); the Chunk is None, with a violation, when it was never enqueued."""
         ack = ev.get("ack_id")
         chunk = self.r.chunks.get(ack)
         if chunk is None:
-            self.bad(line, ev.get("rid"), f"chunk ack {ack} landed but was never enqueued")
+            self.bad(line, ev.get("rid"), f"chunk ack {ack} {missing}")
+        return ack, chunk
+
+    def chunk_landed(self, ev: dict, line: int, t: float) -> None:
+        ack, chunk = self._chunk_of(ev, line, "landed but was never enqueued")
+        if chunk is None:
             return
         life = chunk.life
         life.last_line = max(life.last_line, line)
@@ -197,10 +203,8 @@ class _Replayer:
         chunk.ended_line = line
 
     def _settle(self, ev: dict, line: int, t: float, what: str):
-        ack = ev.get("ack_id")
-        chunk = self.r.chunks.get(ack)
+        ack, chunk = self._chunk_of(ev, line, f"{what} but was never enqueued")
         if chunk is None:
-            self.bad(line, ev.get("rid"), f"chunk ack {ack} {what} but was never enqueued")
             return None
         if chunk.landed_line is not None:
             self.bad(line, chunk.rid, f"chunk ack {ack} {what} after it landed (line {chunk.landed_line})")
@@ -211,10 +215,8 @@ class _Replayer:
         return chunk
 
     def stored(self, ev: dict, line: int, t: float) -> None:
-        ack = ev.get("ack_id")
-        chunk = self.r.chunks.get(ack)
+        ack, chunk = self._chunk_of(ev, line, "stored but was never enqueued")
         if chunk is None:
-            self.bad(line, ev.get("rid"), f"stored ack {ack} that was never enqueued")
             return
         if chunk.landed_line is None:
             self.bad(line, chunk.rid, f"chunk ack {ack} stored before it landed")

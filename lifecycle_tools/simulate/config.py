@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("verify", "128", k.verify, "stored pages read back and compared: N (a sample), all or none",
            STORAGE),
     Option("prefill_budget", 2048, k.integer(1), "prompt tokens computed per step at most", cli=None),
-    Option("drain_timeout_s", 60.0, k.rate, "seconds to wait for copies at the end of a pass", cli=None),
+    Option("drain_timeout_s", 60.0, k.seconds, "seconds to wait for copies at the end of a pass", cli=None),
 )
 
 

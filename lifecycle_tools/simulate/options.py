@@ -56,34 +56,21 @@ def integer(lo: int, hi: int | None = MAX_COUNT, optional: bool = False):
     return check
 
 
-def fraction(value, flag: str) -> float:
-    v = _number(value, flag)
-    if not 0.0 <= v <= 1.0:
-        raise ConfigProblem(f"{flag} must lie in 0..1, got {v}")
-    return v
+def number(lo: float, hi: float, kind: str, unit: str = "", zero: str = ""):
+    """A finite number in ``lo .. hi``; 0 also allowed (meaning ``zero``) when ``zero`` is given."""
+    def check(value, flag: str) -> float:
+        v = _number(value, flag)
+        if not (lo <= v <= hi or (zero and v == 0)):
+            also = f"0 ({zero}) or " if zero else ""
+            raise ConfigProblem(f"{flag} must be {also}{lo:g}..{hi:g}{unit}, got {v}")
+        return v
+    check.kind = kind
+    return check
 
 
-fraction.kind = "F"
-
-
-def rate(value, flag: str) -> float:
-    v = _number(value, flag)
-    if v != 0 and not 1e-6 <= v <= 1e6:
-        raise ConfigProblem(f"{flag} must be 0 (all at once) or 1e-6..1e6 per step, got {v}")
-    return v
-
-
-rate.kind = "R"
-
-
-def seconds(value, flag: str) -> float:
-    v = _number(value, flag)
-    if not 0.001 <= v <= 3600:
-        raise ConfigProblem(f"{flag} must lie in 0.001..3600 seconds, got {v}")
-    return v
-
-
-seconds.kind = "S"
+fraction = number(0.0, 1.0, "F")
+rate = number(1e-6, 1e6, "R", " per step", zero="all at once")
+seconds = number(0.001, 3600, "S", " seconds")
 
 
 def dist(value, flag: str) -> str:

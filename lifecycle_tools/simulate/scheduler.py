@@ -160,22 +160,24 @@ class Simulator:
 
     def _decode(self, ps: PassState) -> None:
         """One decode step: accept 1..spec+1 tokens per request, write their KV in one batch."""
-        slots, ids, positions = [], [], []
+        rows, positions, ids = [], [], []
         for req in ps.running:
             c = req.kv.kv_committed_len
             a = min(1 + (self._rng.randint(0, self.spec) if self.spec else 0), req.tokens_left())
             if a <= 0:
                 continue
             self.admission.ensure_slots(req, c + a + self.spec)
-            slots.append(self.rows.req_to_token[req.kv.req_pool_idx, c:c + a])
+            rows += [req.kv.req_pool_idx] * a
+            positions += range(c, c + a)
             ids.append(req.kvids[c:c + a])
-            positions.append(torch.arange(c, c + a))
             base = len(req.origin_input_ids) + len(req.output_ids)
             req.output_ids.extend(req.seq[base:base + a])
             req.kv.kv_committed_len = c + a
             ps.rep.tokens_decoded += a
-        if slots:
-            self.kv.write_slots(torch.cat(slots).to(torch.int64), torch.cat(ids), torch.cat(positions))
+        if rows:
+            pos = torch.tensor(positions, dtype=torch.int64)
+            slots = self.rows.req_to_token[torch.tensor(rows, dtype=torch.int64), pos].to(torch.int64)
+            self.kv.write_slots(slots, torch.cat(ids), pos)
 
     def _after_decode(self, req: SimRequest, ps: PassState) -> bool:
         """Hand a finished, aborted or retracted request to the manager; offload the others.

@@ -8,30 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import structlog
-
-from lifecycle_tools.cli import main
+from tests.tools.test_cli import keep_structlog_config, run_main  # noqa: F401 (autouse fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--requests", "6", "--turns", "2", "--prompt-len", "8-24", "--output-len", "8-24", "--layers", "1",
         "--heads", "1", "--head-dim", "8", "--page-size", "4", "--device-tokens", "512", "--host-tokens", "128",
         "--rows", "4", "--verify", "all", "--no-progress"]
-
-
-@pytest.fixture(autouse=True)
-def keep_structlog_config():
-    saved = structlog.get_config()
-    yield
-    structlog.configure(**saved)
-
-
-def run_main(argv, capsys):
-    try:
-        rc = main(argv)
-    except SystemExit as exit_:
-        rc = exit_.code
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def one_line_error(rc, out, err):
