@@ -12,9 +12,9 @@ passes its own sink: ``DecodeOffloadManager(..., release_sink=sink)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import msgspec
 import torch
 
 from lifecycle.errors import InvalidRequest, LifecycleError
@@ -24,8 +24,7 @@ class ReleaseRefused(InvalidRequest):
     """A release sink cannot execute a plan (a slot not allocated, a row not held, ...)."""
 
 
-@dataclass(frozen=True, eq=False)
-class ReleasePlan:
+class ReleasePlan(msgspec.Struct, frozen=True, gc=False):
     """Everything one release frees, validated before anything is freed.
 
     Attributes:
@@ -46,7 +45,7 @@ class ReleasePlan:
     rid: object
     row: int
     ranges: tuple
-    slots: torch.Tensor
+    slots: object  # torch.Tensor (int64)
     committed: int
     allocated: int
     quarantined: int = 0
@@ -90,9 +89,12 @@ class AllocatorReleaseSink:
         self.allocator = token_to_kv_pool_allocator
         self._check_slots = _probe(token_to_kv_pool_allocator, "check_free")
         self._check_row = _probe(req_to_token_pool, "check_free")
+        self._checks = self._check_slots is not None or self._check_row is not None
 
     def check(self, plan: ReleasePlan) -> None:
         """Raises ReleaseRefused when a pool says the plan's slots or row cannot be freed."""
+        if not self._checks:
+            return
         for probe, arg, what in ((self._check_slots, plan.slots, "slots"), (self._check_row, plan.req, "row")):
             if probe is None or (what == "slots" and not plan.slots.numel()):
                 continue
@@ -135,8 +137,8 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     slots = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64) if parts else _EMPTY
     n_quarantined = 0
     if slots.numel():
-        unique = _sorted_unique(slots)
-        if int(unique[0]) < 0:
+        unique, lowest = _sorted_unique(slots)
+        if lowest < 0:
             pos = int((slots < 0).nonzero()[0])
             raise InvalidRequest(
                 f"request {rec.rid!r}: row {view.row} lists slot {int(slots[pos])} at a position to free "
@@ -160,11 +162,12 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _sorted_unique(slots: torch.Tensor) -> torch.Tensor:
-    """``torch.unique(slots)`` (sorted), without sorting when the slots already ascend strictly
-    (the common case: one comparison pass on the CPU)."""
+def _sorted_unique(slots: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``torch.unique(slots)`` (sorted) and its lowest id, without sorting when the slots already
+    ascend strictly (the common case: one comparison pass on the CPU)."""
     if slots.device.type == "cpu":
         a = slots.numpy()
         if bool((a[1:] > a[:-1]).all()):
-            return slots
-    return torch.unique(slots)
+            return slots, int(a[0])
+    unique = torch.unique(slots)
+    return unique, int(unique[0])

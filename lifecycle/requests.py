@@ -142,14 +142,15 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
         InvalidRequest: the chunk has tokens whose KV is not committed.
         InvalidToken: a token of the chunk is not an int in 0..2**32-1.
     """
+    row, committed, _ = view
     origin, out = req.origin_input_ids, req.output_ids
     n_in = len(origin)
     start = n_in - n_in % mgr.page_size + rec.offload.inc_len
     end = start + n
-    if end > view.committed:
+    if end > committed:
         raise InvalidRequest(
             f"request {rec.rid!r}: chunk [{start}, {end}) has tokens whose KV is not committed "
-            f"(committed {view.committed!r})"
+            f"(committed {committed!r})"
         )
     if end <= n_in:
         tokens = list(origin[start:end])
@@ -161,5 +162,5 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
         names = page_hashes(tokens, mgr.page_size, rec.offload.last_hash)
     except TokenRangeError:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
-    indices = mgr.req_to_token_pool.req_to_token[view.row, start:end].to(torch.int64, copy=True)
+    indices = mgr.req_to_token_pool.req_to_token[row, start:end].to(torch.int64, copy=True)
     return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices)

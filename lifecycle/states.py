@@ -170,20 +170,21 @@ def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-_COMPILED: dict = {}  # id(table) -> (table, {(trigger, state): [(conditions, unless, dest), ...]})
+_COMPILED: dict = {}  # id(tuple table) -> (table, {(trigger, state): [(conditions, unless, dest), ...]})
 
 
 def _compiled(table) -> dict:
     """The table indexed by (trigger, source state), its guard names as tuples (once per table)."""
     hit = _COMPILED.get(id(table))
-    if hit is not None and hit[0] is table:
+    if hit is not None and hit[0] is table and isinstance(table, tuple):
         return hit[1]
     index: dict = {}
     for row in table:
         entry = (tuple(_as_list(row.get("conditions"))), tuple(_as_list(row.get("unless"))), row["dest"])
         for src in _as_list(row["source"]):
             index.setdefault((row["trigger"], src), []).append(entry)
-    _COMPILED[id(table)] = (table, index)
+    if isinstance(table, tuple):  # a list may change in place: compiled afresh every time
+        _COMPILED[id(table)] = (table, index)
     return index
 
 

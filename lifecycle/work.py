@@ -10,6 +10,8 @@ pools) may still raise, and then the transition's effects are undone or never ap
 
 from __future__ import annotations
 
+from logging import INFO
+
 from lifecycle import audit
 
 
@@ -72,8 +74,9 @@ def free_memory(fire) -> None:
             q.released = True
     rec.expired = None
     mgr._released += 1
-    mgr._emit(rec.log.info, audit.RELEASED, ranges=list(plan.ranges), slots=sum(e - s for s, e in plan.ranges),
-              committed=plan.committed, allocated=plan.allocated, quarantined=plan.quarantined)
+    if mgr._log.is_enabled_for(INFO):
+        mgr._emit(rec.log.info, audit.RELEASED, ranges=list(plan.ranges), slots=sum(e - s for s, e in plan.ranges),
+                  committed=plan.committed, allocated=plan.allocated, quarantined=plan.quarantined)
 
 
 def reset_progress(fire) -> None:
