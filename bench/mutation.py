@@ -10,7 +10,8 @@ the group's ``[tool.mutmut]`` section there (modules to mutate, test files to ru
 ``mutmut run`` at low priority and collects every mutant's outcome. It prints, per group and per
 package: mutants generated, killed, survived, timeout, no tests (code no selected test reaches),
 other (suspicious/segfault), known equivalent (listed in ``bench/mutation_equivalent.txt`` with
-the reason) and the kill rate = (killed + timeout) / (generated - equivalent - no tests).
+the reason), not run (the group was stopped first) and the kill rate = (killed + timeout) /
+(generated - equivalent - no tests - not run). ``--report-only`` reprints a finished run's table.
 Survivor diffs go to ``{workdir}/{commit}/{group}.survivors.txt`` and all outcomes to
 ``{workdir}/{commit}/results.json``.
 """
@@ -43,7 +44,7 @@ from bench.mutation_map import (  # noqa: E402
 EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
 KILLED = {"killed", "caught by type check"}
 PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "--hypothesis-seed=0"]
-COLUMNS = ("generated", "killed", "survived", "timeout", "no tests", "other", "equivalent")
+COLUMNS = ("generated", "killed", "survived", "timeout", "no tests", "other", "not run", "equivalent")
 
 
 def expand(snapshot: Path, patterns: list[str], exclude: list[str] = ()) -> list[str]:
@@ -147,13 +148,15 @@ def tally(outcomes: dict[str, str], equivalent: dict[str, str]) -> Counter:
             c["equivalent" if name in equivalent else "survived"] += 1
         elif status in ("timeout", "no tests"):
             c[status] += 1
+        elif status in ("not checked", "check was interrupted by user"):
+            c["not run"] += 1  # the group was stopped before this mutant ran
         else:
             c["other"] += 1
     return c
 
 
 def kill_rate(c: Counter) -> str:
-    judged = c["generated"] - c["equivalent"] - c["no tests"]
+    judged = c["generated"] - c["equivalent"] - c["no tests"] - c["not run"]
     return f"{100 * (c['killed'] + c['timeout']) / judged:.1f}%" if judged else "-"
 
 
@@ -190,6 +193,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=ROOT / "mutation-runs")
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--nice", type=int, default=10)
+    ap.add_argument("--report-only", action="store_true", help="print the table of a finished run")
     args = ap.parse_args()
     os.nice(args.nice)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.commit],
@@ -199,7 +203,7 @@ def main() -> None:
     results_file = commit_dir / "results.json"
     done = {r["group"]: r for r in json.loads(results_file.read_text())} if results_file.exists() else {}
     print(f"mutation campaign on {commit}, groups {', '.join(args.groups)}", flush=True)
-    for group in args.groups:
+    for group in [] if args.report_only else args.groups:
         r = run_group(commit_dir, commit, group, args.max_children)
         done[group] = r
         results_file.write_text(json.dumps(list(done.values()), indent=1))
