@@ -322,7 +322,7 @@ class DecodeOffloadManager(CallGate):
             row = req.kv.req_pool_idx
             if row is None or row == -1 or len(req.output_ids) == 0:
                 return False
-            view = read_request(self, req)
+            view = read_request(self, req, shaped=True)
             rec = table.new_record(self, req, view, initial_progress(self, req))
             n = self._due(rec, req)
             chunk = plan_chunk(self, rec, req, view, n) if n else None

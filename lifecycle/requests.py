@@ -60,7 +60,7 @@ def row_of(pool_rows: int, req) -> int:
     return row
 
 
-def read_request(mgr, req, rec=None) -> View:
+def read_request(mgr, req, rec=None, shaped: bool = False) -> View:
     """Check everything a call relies on about ``req`` and return it.
 
     Args:
@@ -69,6 +69,7 @@ def read_request(mgr, req, rec=None) -> View:
         rec: the request's live record, or None on first sight or readmit (then shape and
             ownership are checked too; a record's request passed them when it was recorded, and
             another manager cannot claim it while the record is live).
+        shaped: the caller has just run ``check_shape(req)``.
     Raises:
         InvalidRequest: not request-shaped; driven by another manager; no row or a row outside the
             pool; a row other than the one recorded (moved without ``readmit``); KV lengths that
@@ -84,7 +85,8 @@ def read_request(mgr, req, rec=None) -> View:
                 and 0 <= committed <= allocated <= shape[1]):
             return View((rec.row, committed, allocated))
     if rec is None:  # a record's request was checked for shape and ownership when first seen
-        check_shape(req)
+        if not shaped:
+            check_shape(req)
         mgr._owners.check(req, mgr)
         row = row_of(shape[0], req)
     else:
