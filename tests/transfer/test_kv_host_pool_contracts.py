@@ -102,3 +102,11 @@ def test_pinning_that_fails_falls_back_to_pageable_memory_with_a_warning():
     assert not pool.pinned and pool.buffer.shape == (2, 2, 4, 1, 1, 2) and pool.buffer.dtype == torch.float16
     (warn,) = [e for e in logs if e["event"] == "host_pool.pin_failed"]
     assert warn["fallback"] == "pageable" and warn["error"] and warn["log_level"] == "warning"
+
+
+def test_kv_values_of_the_wrong_shape_or_dtype_are_named():
+    pool = KVPool(1, 1, 2, torch.float16, 8)
+    with pytest.raises(ValueError, match=r"^values must be \(2, 1, 1, 1, 2\) torch\.float16, got \(2, 1, 1, 1, 3\) torch\.float16$"):
+        pool.write(torch.tensor([0]), torch.zeros(2, 1, 1, 1, 3, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"got \(2, 1, 1, 1, 2\) torch\.float32$"):
+        pool.write(torch.tensor([0]), torch.zeros(2, 1, 1, 1, 2))

@@ -149,3 +149,8 @@ def test_page_set_lists_at_most_eight_pages_in_an_error():
     ps.free(np.arange(10))
     with pytest.raises(DoubleFree, match=r"pages \[0, 1, 2, 3, 4, 5, 6, 7\] are already free$"):
         ps.free(np.arange(10))
+
+
+def test_a_negative_page_count_is_refused_by_name():
+    with pytest.raises(ValueError, match="^cannot allocate -1 pages$"):
+        PageSet(4).alloc(-1)
