@@ -50,11 +50,12 @@ from transfer.log import get_logger
 from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import (
-    MAGIC, SEAL_NBYTES, SEAL_VERSION, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, raw_format, seal,
-    verify,
+    MAGIC, SEAL_NBYTES, SEAL_VERSION, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, name_fingerprint,
+    page_digest, raw_format, seal, verify,
 )
 from transfer.storage.lru import LruIndex
 from transfer.storage.redis_conn import _client_from_url, check_url, redact  # noqa: F401 (re-exported)
+from transfer.storage.redis_reader import GetReader
 from transfer.storage.redis_wire import SetBatch, send_and_read
 
 log = get_logger(__name__)
@@ -139,6 +140,8 @@ class RedisStorage(Storage):
         self._lock = threading.Lock()
         self._stats = RedisStorageStats()
         self._sets = SetBatch()  # per-thread reusable buffer of packed SET commands
+        self._reader = GetReader(SEAL_NBYTES)  # per-thread buffers for reading replies into pages
+        self._seal_fields: dict = {}  # (format, nbytes) -> the seal's bytes that depend only on them
         if check:
             self.ping()
 
@@ -202,6 +205,9 @@ class RedisStorage(Storage):
 
     def _batches(self, n: int, sizes: Sequence[int]):
         """Split ``range(n)`` into runs of at most ``pipeline_bytes`` page bytes (>= 1 page)."""
+        if sum(sizes) <= self.pipeline_bytes:
+            yield range(n)
+            return
         start, total = 0, 0
         for i in range(n):
             if i > start and total + sizes[i] > self.pipeline_bytes:
@@ -295,41 +301,29 @@ class RedisStorage(Storage):
         return True
 
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
-        """See ``Storage.batch_get``. A page failing its checks is a miss. Raises
-        ``StorageUnavailable`` when the server is unreachable."""
+        """See ``Storage.batch_get``. A page failing its checks is a miss (its bytes are never
+        left in ``into[i]``). Raises ``StorageUnavailable`` when the server is unreachable.
+
+        Each value is read from the socket straight into ``into[i]`` (``redis_reader``) and its
+        seal verified there, over the page name, format and the bytes in place."""
         check_batch(keys, into, self.page_nbytes)
         n = len(keys)
         results = [False] * n
         sizes = [t.numel() * t.element_size() for t in into]
+        prefix, suffix = self.key_prefix, self.suffix
         for run in self._batches(n, sizes):
-            names = [self._name(keys[i]) for i in run]
-
-            def build(pipe, names=names):
-                for name in names:
-                    if self.ttl_ms is None:
-                        pipe.get(name)
-                    else:
-                        pipe.getex(name, px=self.ttl_ms)
-
-            replies = self._run(build, "get")
-            corrupt = []
-            for i, name, value in zip(run, names, replies):
-                if isinstance(value, Exception):
-                    self._count("errors")
-                    log.error("redis_storage.read_failed", name=name, error=str(value))
-                elif value is not None:
-                    results[i] = self._verify_into(name, value, into[i], corrupt)
-            evicted = []
-            with self._lock:  # one lock for the round trip's bookkeeping
-                for i, name in zip(run, names):
-                    if results[i]:
-                        self._stats.hits += 1
-                        if not self._index.touch(name):
-                            evicted += self._index.add(name, sizes[i])
-                    else:
-                        self._stats.misses += 1
-                        self._index.remove(name)
-            self._evict(evicted)
+            names = [prefix + keys[i] + suffix for i in run]
+            dests = [_raw(into[i]) for i in run]
+            corrupt: list[str] = []
+            check = self._read_checker(keys, into, run, names, dests, results, corrupt)
+            try:
+                self._guarded(lambda: self._read_wire([x.encode() for x in names], dests, check), "get")
+            except BaseException:
+                for i, dest in zip(run, dests):  # a page cut off mid-read: never leave its bytes
+                    if not results[i]:
+                        dest[:] = bytes(dest.nbytes)
+                raise
+            self._settle_reads(run, names, sizes, results)
             if corrupt:
                 try:
                     self._run(lambda p: p.delete(*corrupt), "delete corrupt")
@@ -337,24 +331,77 @@ class RedisStorage(Storage):
                     pass
         return results
 
-    def _verify_into(self, name: str, value: bytes, into: torch.Tensor, corrupt: list[str]) -> bool:
-        body = memoryview(value)[SEAL_NBYTES:]
-        dst = _raw(into)
-        sealed_nbytes = int.from_bytes(value[8:16], "little") if value[:5] == _MAGIC_VERSION else -1
-        if sealed_nbytes != len(body):  # not a page, or a torn/truncated one
+    def _read_checker(self, keys, into, run, names, dests, results, corrupt):
+        """The ``on_reply`` of one read round trip: verifies reply j's page where it was read
+        (``dests[j]``) and records ``results[run[j]]``."""
+        suffix, fixed_format = self.suffix, self.page_format
+
+        def check(j, reply, head):
+            if type(reply) is int:  # a value; the page is in dests[j] when its length fits
+                i, dst = run[j], dests[j]
+                page = into[i]
+                fmt = fixed_format if fixed_format is not None else raw_format(page)
+                name = keys[i] + suffix
+                # fast path: the seal is exactly the one this page must have; else say why not
+                results[i] = ((reply == SEAL_NBYTES + dst.nbytes and head == self._expected_seal(name, fmt, dst))
+                              or self._verify_read(names[j], head, reply, dst, page, corrupt))
+            elif reply is not None:
+                self._count("errors")
+                log.error("redis_storage.read_failed", name=names[j], error=str(reply))
+        return check
+
+    def _expected_seal(self, name: str, fmt: PageFormat, data: memoryview) -> bytes:
+        """``seal(name, fmt, data)``, with the fields that depend only on (format, size) cached:
+        byte-for-byte the seal ``batch_set`` wrote for this exact page (digest included)."""
+        fixed = self._seal_fields.get((fmt, data.nbytes))
+        if fixed is None:
+            whole = seal(name, fmt, data)
+            fixed = (whole[:16], whole[40:])
+            if len(self._seal_fields) < 64:
+                self._seal_fields[(fmt, data.nbytes)] = fixed
+        return b"".join((fixed[0], page_digest(name, fmt, data), name_fingerprint(name).to_bytes(8, "little"),
+                         fixed[1]))
+
+    def _read_wire(self, names: list[bytes], dests: list[memoryview], on_reply) -> list:
+        """``GET`` each name into its destination (``redis_reader``); per name its reply."""
+        return self._reader.get_into(self._client, names, self.ttl_ms, dests, on_reply)
+
+    def _settle_reads(self, run, names, sizes, results) -> None:
+        """A read round trip's bookkeeping: hits, misses and the client-side index."""
+        evicted = []
+        with self._lock:
+            for i, name in zip(run, names):
+                if results[i]:
+                    self._stats.hits += 1
+                    if not self._index.touch(name):
+                        evicted += self._index.add(name, sizes[i])
+                else:
+                    self._stats.misses += 1
+                    self._index.remove(name)
+        self._evict(evicted)
+
+    def _verify_read(self, name: str, head: memoryview, length: int, dst: memoryview, into: torch.Tensor,
+                     corrupt: list[str]) -> bool:
+        """Whether the value just read (seal ``head``, ``length`` bytes; the body in ``dst`` when
+        the length fits) is exactly our page; a refused page's bytes are zeroed in ``dst``."""
+        body_nbytes = length - SEAL_NBYTES
+        sealed_nbytes = (int.from_bytes(head[8:16], "little")
+                         if length >= SEAL_NBYTES and head[:5] == _MAGIC_VERSION else -1)
+        if sealed_nbytes != body_nbytes:  # not a page, or a torn/truncated one
             verdict = Verdict.CORRUPT
         elif sealed_nbytes != dst.nbytes:
             verdict = Verdict.WRONG_SIZE
         else:
-            verdict = verify(value[:SEAL_NBYTES], name[len(self.key_prefix):], self._format(into), body)
-        if verdict is not Verdict.OK:
-            self._count(verdict.value)
-            if verdict is Verdict.CORRUPT:
-                corrupt.append(name)
-            log.error("redis_storage.page_refused", name=name, verdict=verdict.value, size=len(value))
-            return False
-        dst[:] = body  # one copy, into the caller's buffer
-        return True
+            verdict = verify(head, name[len(self.key_prefix):], self._format(into), dst)
+        if verdict is Verdict.OK:
+            return True
+        if body_nbytes == dst.nbytes:  # the body was read into the caller's buffer
+            dst[:] = bytes(dst.nbytes)
+        self._count(verdict.value)
+        if verdict is Verdict.CORRUPT:
+            corrupt.append(name)
+        log.error("redis_storage.page_refused", name=name, verdict=verdict.value, size=length)
+        return False
 
     def batch_exists(self, keys: Sequence[str]) -> int:
         """See ``Storage.batch_exists``: asks the server (pages other nodes wrote count), and

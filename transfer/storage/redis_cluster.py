@@ -9,7 +9,10 @@ Everything about a page — key, value (seal + bytes), ``SET NX``, verification,
   slot into one pipeline per primary owning those slots, each sent with one write and read back
   in order; a ``MOVED`` reply (slots migrated) refreshes the slot map and resends those commands
   once;
-* other batches (reads, existence checks) go through redis-py's cluster pipeline, which groups
+* a batch's ``GET`` commands are split the same way, one pipeline per primary, each read straight
+  into the page tensors (``redis_reader``), ``MOVED``/``ASK`` replies re-asked once after a slot
+  map refresh;
+* other batches (existence checks, deletes) go through redis-py's cluster pipeline, which groups
   commands by node the same way; multi-key ``DELETE`` is sent key by key (keys of a batch live in
   different slots).
 
@@ -25,7 +28,7 @@ from urllib.parse import urlsplit
 
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import ClusterError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import AskError, ClusterError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
@@ -145,6 +148,38 @@ class RedisClusterStorage(RedisStorage):
                     if isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK")):
                         moved.append(i)
             if not moved or attempt:
+                break
+            self._client.nodes_manager.initialize()
+            pending = moved
+        return replies
+
+    def _read_wire(self, names: list[bytes], dests: list, on_reply) -> list:
+        """The ``GET`` commands, one pipeline per primary owning their slots, read into ``dests``;
+        ``MOVED``/``ASK`` replies refresh the slot map and are asked again once."""
+        replies: list = [None] * len(names)
+        pending = list(range(len(names)))
+        for attempt in range(2):
+            by_node = defaultdict(list)
+            try:
+                for i in pending:
+                    by_node[self._client.get_node_from_key(names[i])].append(i)
+            except (ClusterError, RedisClusterException) as err:
+                raise RedisConnectionError(str(err)) from err
+            moved = []
+
+            def forward(k, reply, head, idxs=None):
+                i = idxs[k]
+                replies[i] = reply
+                if isinstance(reply, AskError) and not attempt:
+                    moved.append(i)  # asked again below, not reported
+                else:
+                    on_reply(i, reply, head)
+
+            for node, idxs in by_node.items():
+                self._reader.get_into(self._client.get_redis_connection(node), [names[i] for i in idxs],
+                                      self.ttl_ms, [dests[i] for i in idxs],
+                                      lambda k, r, h, idxs=idxs: forward(k, r, h, idxs))
+            if not moved:
                 break
             self._client.nodes_manager.initialize()
             pending = moved
