@@ -5,7 +5,9 @@ Admission reserves a request's worst-case pages (prompt + output + speculative s
 while rows or pages are short, so the allocator never runs dry mid-decode. Before computing a
 prompt it looks up the prompt's leading full pages with the stack's ``PrefixLoader``; a lookup the
 storage tier cannot answer (down, hung past the loader's deadline, behind an open breaker, or a loader that raises ``StorageError``) is a miss,
-counted in ``prefix_lookups_failed``, never an error of the run.
+counted in ``prefix_lookups_failed``, never an error of the run. A load stages through free host
+pages: stored pages beyond them (or all, when device slots or host pages are short) are not loaded
+but computed, counted in ``prefix_pages_unstaged``.
 """
 
 from __future__ import annotations
@@ -73,9 +75,8 @@ class Admission:
         rep.prefix_lookups += 1
         rep.prefix_pages_looked_up += full
         staging = min(full, self.host.available_size() // self.ps)  # host pages to stage through
-        if not staging:
-            return False
         load_id = next(self._load_ids)
+        found = self.loader.stats().pages_found  # lookups run on this thread: the delta is this one's
         try:
             got = self.loader.start(load_id, req.seq[: full * self.ps], None, staging)
         except StorageError as err:
@@ -83,6 +84,8 @@ class Admission:
             if rep.prefix_lookups_failed == 1:
                 rep.error(f"prefix lookup: {type(err).__name__}: {err} (counted as misses)")
             return False
+        # stored pages beyond the free host pages, or all of them when slots are short (got None)
+        rep.prefix_pages_unstaged += self.loader.stats().pages_found - found - (got or 0)
         if got is None:
             rep.prefix_loads_short += 1
         if not got:

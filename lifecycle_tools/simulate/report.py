@@ -47,6 +47,7 @@ class PassReport:
     prefix_pages_verified: int = 0
     prefix_mismatches: int = 0
     prefix_loads_short: int = 0
+    prefix_pages_unstaged: int = 0
     overhead_us_p50: float = 0.0
     overhead_us_p99: float = 0.0
     overhead_us_max: float = 0.0
@@ -163,6 +164,7 @@ ROWS = (
     ("host pool short (chunk deferred)", lambda p: f"{p.host_short}"),
     ("prefix pages found / looked up", lambda p: f"{p.prefix_pages_hit}/{p.prefix_pages_looked_up} "
                                                  f"({100 * p.prefix_hit_rate:.1f}%)"),
+    ("prefix pages stored, not loaded: host pages/slots short", lambda p: f"{p.prefix_pages_unstaged}"),
     ("prefix lookups missed: tier down, slow or breaker open", lambda p: f"{p.prefix_lookups_failed} of {p.prefix_lookups}"),
     ("bytes loaded from storage", lambda p: _mib(p.prefix_bytes_loaded)),
     ("loaded pages bit-exact / loaded", lambda p: f"{p.prefix_pages_verified - p.prefix_mismatches}/{p.prefix_pages_verified}"),
