@@ -131,8 +131,9 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
             (a cleared or corrupted row) in the ranges to free.
         ReleaseRefused: the release sink refuses the plan.
     """
-    ranges = release_ranges(view.committed, view.allocated, mgr._alloc_page)
-    row = mgr.req_to_token_pool.req_to_token[view.row]
+    row_id, committed, allocated = view
+    ranges = release_ranges(committed, allocated, mgr._alloc_page)
+    row = mgr.req_to_token_pool.req_to_token[row_id]
     parts = [row[s:e] for s, e in ranges]
     slots = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64) if parts else _EMPTY
     n_quarantined = 0
@@ -141,12 +142,12 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
         if lowest < 0:
             pos = int((slots < 0).nonzero()[0])
             raise InvalidRequest(
-                f"request {rec.rid!r}: row {view.row} lists slot {int(slots[pos])} at a position to free "
+                f"request {rec.rid!r}: row {row_id} lists slot {int(slots[pos])} at a position to free "
                 f"(ranges {list(ranges)}): KV never allocated there"
             )
         if unique.numel() != slots.numel():
             raise InvalidRequest(
-                f"request {rec.rid!r}: row {view.row} lists {slots.numel() - unique.numel()} slot ids more "
+                f"request {rec.rid!r}: row {row_id} lists {slots.numel() - unique.numel()} slot ids more "
                 f"than once in {list(ranges)} (cleared or overwritten?)"
             )
         slots = unique
@@ -154,7 +155,7 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
             keep = ~torch.isin(slots, quarantined)
             n_quarantined = slots.numel() - int(keep.sum())
             slots = slots[keep]
-    plan = ReleasePlan(req, rec.rid, view.row, ranges, slots, view.committed, view.allocated, n_quarantined)
+    plan = ReleasePlan(req, rec.rid, row_id, ranges, slots, committed, allocated, n_quarantined)
     mgr.release_sink.check(plan)
     return plan
 

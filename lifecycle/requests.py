@@ -19,14 +19,9 @@ _SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
 _KV_SHAPE = ("req_pool_idx", "kv_committed_len", "kv_allocated_len")
 
 
-class View(tuple):
-    """What one call read from a request, checked: ``(row, committed, allocated)`` (a plain tuple
-    subclass with named accessors: built once per call on the hot path)."""
-
-    __slots__ = ()
-    row = property(lambda self: self[0])
-    committed = property(lambda self: self[1])
-    allocated = property(lambda self: self[2])
+View = tuple
+"""What one call read from a request, checked: ``(row, committed, allocated)`` — a plain tuple
+(built on every chunk: a named type would cost more than the unpacking that reads it)."""
 
 
 def check_shape(req) -> None:
@@ -83,7 +78,7 @@ def read_request(mgr, req, rec=None, shaped: bool = False) -> View:
         allocated = kv.kv_allocated_len
         if (kv.req_pool_idx == rec.row and type(committed) is int and type(allocated) is int
                 and 0 <= committed <= allocated <= shape[1]):
-            return View((rec.row, committed, allocated))
+            return rec.row, committed, allocated
     if rec is None:  # a record's request was checked for shape and ownership when first seen
         if not shaped:
             check_shape(req)
@@ -101,7 +96,7 @@ def read_request(mgr, req, rec=None, shaped: bool = False) -> View:
         raise InvalidRequest(f"request {req.rid!r}: committed {committed} > allocated {allocated}")
     if allocated > shape[1]:
         raise InvalidRequest(f"request {req.rid!r}: allocated {allocated} exceeds the row width {shape[1]}")
-    return View((row, committed, allocated))
+    return row, committed, allocated
 
 
 def hashes(rid, tokens, page_size: int, prior, offset: int) -> list[str]:

@@ -27,8 +27,9 @@ def lookup(mgr, req) -> Record | None:
 def new_record(mgr, req, view, progress) -> Record:
     """A PREFILLED record for a request read by ``read_request``; not yet inserted."""
     ref = weakref.KeyedRef(req, mgr._dropped.append, id(req))
-    return Record(ref, req.rid, view.row, State.PREFILLED, progress,
-                  mgr._log.bind(rid=req.rid, row=view.row, gen=0), slots=view.allocated)
+    row, _, allocated = view
+    return Record(ref, req.rid, row, State.PREFILLED, progress,
+                  mgr._log.bind(rid=req.rid, row=row, gen=0), slots=allocated)
 
 
 def insert(mgr, rec: Record, req) -> None:

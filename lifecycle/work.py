@@ -82,10 +82,10 @@ def free_memory(fire) -> None:
 def reset_progress(fire) -> None:
     """After ``readmit``: a new lifecycle on the new row, with fresh offload progress."""
     mgr, rec, kw = fire.kwargs["mgr"], fire.model, fire.kwargs
-    view = kw["view"]
-    rec.row, rec.offload, rec.slots = view.row, kw["progress"], view.allocated
+    row, _, allocated = kw["view"]
+    rec.row, rec.offload, rec.slots = row, kw["progress"], allocated
     rec.generation += 1
-    rec.log = mgr._log.bind(rid=rec.rid, row=view.row, gen=rec.generation)
+    rec.log = mgr._log.bind(rid=rec.rid, row=row, gen=rec.generation)
 
 
 def record_transition(fire) -> None:
