@@ -70,6 +70,7 @@ class DecodeOffloadManager(CallGate):
             release_sink = AllocatorReleaseSink(req_to_token_pool, token_to_kv_pool_allocator)
         config.release_sink(release_sink)
         self.req_to_token_pool = req_to_token_pool
+        self._pool_shape = tuple(req_to_token_pool.req_to_token.shape)  # fixed for the pool's life
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.offloader, self.release_sink, self.tp_group = offloader, release_sink, tp_group
         self._clock = clock

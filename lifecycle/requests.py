@@ -70,7 +70,7 @@ def read_request(mgr, req, rec=None, shaped: bool = False) -> View:
             pool; a row other than the one recorded (moved without ``readmit``); KV lengths that
             are not non-negative ints with committed <= allocated <= the row width.
     """
-    shape = mgr.req_to_token_pool.req_to_token.shape
+    shape = mgr._pool_shape  # (rows, width) of req_to_token, taken at construction
     if rec is not None:  # the common case, checked in one pass; any doubt takes the full path below
         kv = req.kv
         effective = getattr(req, "effective_kv_committed_len", None)
