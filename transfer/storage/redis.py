@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import msgspec
 import redis
 import torch
+import xxhash
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -51,7 +52,7 @@ from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import (
     MAGIC, SEAL_NBYTES, SEAL_VERSION, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, name_fingerprint,
-    page_digest, raw_format, seal, verify,
+    raw_format, seal, verify,
 )
 from transfer.storage.lru import LruIndex
 from transfer.storage.redis_conn import _client_from_url, check_url, redact  # noqa: F401 (re-exported)
@@ -333,34 +334,34 @@ class RedisStorage(Storage):
 
     def _read_checker(self, keys, into, run, names, dests, results, corrupt):
         """The ``on_reply`` of one read round trip: verifies reply j's page where it was read
-        (``dests[j]``) and records ``results[run[j]]``."""
-        suffix, fixed_format = self.suffix, self.page_format
+        (``dests[j]``) and records ``results[run[j]]``.
+
+        Fast path: the value's seal equals, byte for byte, the seal ``batch_set`` writes for this
+        exact page (``integrity.seal``: its (format, size) fields cached from a real ``seal``, the
+        name fingerprint and the XXH3-128 over descriptor + the page bytes in place computed
+        here). It can only say yes for exactly that seal; anything else goes to
+        ``_verify_read`` (``integrity.verify``), which decides and says why."""
+        suffix, fixed_format, fields = self.suffix, self.page_format, self._seal_fields
 
         def check(j, reply, head):
             if type(reply) is int:  # a value; the page is in dests[j] when its length fits
                 i, dst = run[j], dests[j]
                 page = into[i]
                 fmt = fixed_format if fixed_format is not None else raw_format(page)
-                name = keys[i] + suffix
-                # fast path: the seal is exactly the one this page must have; else say why not
-                results[i] = ((reply == SEAL_NBYTES + dst.nbytes and head == self._expected_seal(name, fmt, dst))
-                              or self._verify_read(names[j], head, reply, dst, page, corrupt))
+                name, nbytes = keys[i] + suffix, dst.nbytes
+                fixed = fields.get((fmt, nbytes))
+                if fixed is not None and reply == SEAL_NBYTES + nbytes:
+                    digest = xxhash.xxh3_128(fmt.descriptor(name, nbytes))
+                    digest.update(dst)
+                    if head == b"".join((fixed[0], digest.digest(), name_fingerprint(name).to_bytes(8, "little"),
+                                         fixed[1])):
+                        results[i] = True
+                        return
+                results[i] = self._verify_read(names[j], head, reply, dst, page, corrupt)
             elif reply is not None:
                 self._count("errors")
                 log.error("redis_storage.read_failed", name=names[j], error=str(reply))
         return check
-
-    def _expected_seal(self, name: str, fmt: PageFormat, data: memoryview) -> bytes:
-        """``seal(name, fmt, data)``, with the fields that depend only on (format, size) cached:
-        byte-for-byte the seal ``batch_set`` wrote for this exact page (digest included)."""
-        fixed = self._seal_fields.get((fmt, data.nbytes))
-        if fixed is None:
-            whole = seal(name, fmt, data)
-            fixed = (whole[:16], whole[40:])
-            if len(self._seal_fields) < 64:
-                self._seal_fields[(fmt, data.nbytes)] = fixed
-        return b"".join((fixed[0], page_digest(name, fmt, data), name_fingerprint(name).to_bytes(8, "little"),
-                         fixed[1]))
 
     def _read_wire(self, names: list[bytes], dests: list[memoryview], on_reply) -> list:
         """``GET`` each name into its destination (``redis_reader``); per name its reply."""
@@ -387,13 +388,17 @@ class RedisStorage(Storage):
         body_nbytes = length - SEAL_NBYTES
         sealed_nbytes = (int.from_bytes(head[8:16], "little")
                          if length >= SEAL_NBYTES and head[:5] == _MAGIC_VERSION else -1)
-        if sealed_nbytes != body_nbytes:  # not a page, or a torn/truncated one
+        if sealed_nbytes < 0 or sealed_nbytes != body_nbytes:  # not a page, or a torn/truncated one
             verdict = Verdict.CORRUPT
         elif sealed_nbytes != dst.nbytes:
             verdict = Verdict.WRONG_SIZE
         else:
-            verdict = verify(head, name[len(self.key_prefix):], self._format(into), dst)
+            fmt = self._format(into)
+            verdict = verify(head, name[len(self.key_prefix):], fmt, dst)
         if verdict is Verdict.OK:
+            if len(self._seal_fields) < 64:  # the (format, size) part of this seal, for the fast path
+                whole = seal(name[len(self.key_prefix):], fmt, dst)
+                self._seal_fields[(fmt, dst.nbytes)] = (whole[:16], whole[40:])
             return True
         if body_nbytes == dst.nbytes:  # the body was read into the caller's buffer
             dst[:] = bytes(dst.nbytes)

@@ -25,7 +25,8 @@ import redis
 from redis._parsers import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-BUFFER_NBYTES = 64 << 10  # socket read buffer for reply lines (and small values that come with them)
+BUFFER_NBYTES = 256 << 10  # socket read buffer: reply lines, seals and small values (fewer receives)
+DIRECT_NBYTES = 32 << 10  # a value's rest at least this big is received in place, smaller ones buffered
 MAX_LINE = 4096  # longest reply line accepted (error messages are far shorter)
 
 # on_reply(j, reply, head): reply is the value's length (int), None (nil) or the server's error
@@ -84,7 +85,13 @@ class _Wire:
             dst[:have] = self.view[self.pos:self.pos + have]
             self.pos += have
         while have < n:
-            have += self._recv(dst[have:])
+            if n - have >= DIRECT_NBYTES:  # big: straight from the socket into dst
+                have += self._recv(dst[have:])
+            else:  # small rest: one receive of whatever is there (it may hold the next replies)
+                self.pos, self.end = 0, self._recv(self.view)
+                take = min(self.end, n - have)
+                dst[have:have + take] = self.view[:take]
+                self.pos, have = take, have + take
 
     def skip(self, n: int) -> None:
         """Drop the next ``n`` bytes."""
@@ -168,6 +175,9 @@ class GetReader:
             wire.pos = i + 2
         else:
             line = wire.line()
+            while line[:1] in (b">", b"|"):  # RESP3 push / attribute: not the reply, skip it
+                _skip_aggregate(wire, line)
+                line = wire.line()
             length = self._length(line)
         if length is None or length < 0:  # nil, or an error reply
             reply = None if line is None or line[:1] != b"-" else BaseParser.parse_error(
@@ -205,3 +215,22 @@ class GetReader:
         if kind == b"-" or line == b"_":
             return None
         raise ProtocolError(f"unexpected reply to GET: {line[:40]!r}")
+
+
+def _skip_aggregate(wire: _Wire, line: bytes) -> None:
+    """Read and drop the elements of the RESP3 aggregate whose first line is ``line``."""
+    try:
+        count = int(line[1:])
+    except ValueError:
+        raise ProtocolError(f"bad aggregate length {line[:40]!r}") from None
+    count *= 2 if line[:1] in (b"%", b"|") else 1
+    for _ in range(max(count, 0)):
+        item = wire.line()
+        kind = item[:1]
+        if kind in (b"$", b"=", b"!"):
+            try:
+                wire.skip(int(item[1:]) + 2)
+            except ValueError:
+                raise ProtocolError(f"bad bulk length {item[:40]!r}") from None
+        elif kind in (b"*", b">", b"~", b"%", b"|"):
+            _skip_aggregate(wire, item)

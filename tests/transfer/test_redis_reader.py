@@ -1,0 +1,238 @@
+"""The Redis read path at wire level (``transfer/storage/redis_reader.py``) against a real
+``redis-server``: replies read straight into page tensors, and every way a reply can go wrong —
+an error reply mid-pipeline, nil, a value of the wrong length, a connection cut mid-value, bytes
+the reader did not ask for — is a miss or a typed error, never a wrong page and never a half-read
+connection handed to the next caller."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import redis
+import torch
+
+from transfer import StorageUnavailable
+from transfer.storage.integrity import raw_format, seal
+from transfer.storage.redis import HEADER_NBYTES, RedisStorage
+from transfer.storage.redis_reader import GetReader, ProtocolError, pack_gets
+
+NB = 4096
+SUF = "_r_0_1"
+
+
+def page(i: int, nb: int = NB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=g)
+
+
+def key(i: int) -> str:
+    return f"{i:064x}"
+
+
+def filled(n: int, nb: int = NB) -> list[torch.Tensor]:
+    return [torch.full((nb,), 0xAB, dtype=torch.uint8) for _ in range(n)]
+
+
+def test_values_land_in_the_tensors_of_any_dtype_and_size(redis_url):
+    s = RedisStorage(redis_url, SUF)
+    pages = [page(1, 16), page(2, 300 << 10), page(3, 1 << 20).view(torch.bfloat16).reshape(2, -1)]
+    keys = [key(1), key(2), key(3)]
+    assert s.batch_set(keys, pages) == [True] * 3
+    out = [torch.empty_like(p) for p in pages]
+    assert s.batch_get(keys, out) == [True] * 3
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pages, out))
+    s.close()
+
+
+def test_error_reply_and_nil_mid_pipeline_are_misses_the_rest_is_read(redis_url):
+    s = RedisStorage(redis_url, SUF, NB)
+    keys = [key(i) for i in range(5)]
+    assert all(s.batch_set([keys[0], keys[2], keys[4]], [page(0), page(2), page(4)]))
+    c = redis.Redis.from_url(redis_url)
+    c.rpush(keys[1] + SUF, b"x")  # GET on a list: WRONGTYPE error reply in the middle
+    out = filled(5)
+    assert s.batch_get(keys, out) == [True, False, True, False, True]  # key 3: nil
+    assert torch.equal(out[0], page(0)) and torch.equal(out[2], page(2)) and torch.equal(out[4], page(4))
+    assert (out[1] == 0xAB).all() and (out[3] == 0xAB).all()  # misses: not written
+    st = s.stats()
+    assert st.errors == 1 and st.hits == 3 and st.misses == 2
+    assert s.batch_get(keys[:1], out[:1]) == [True]  # the connection is still in step
+    c.close()
+    s.close()
+
+
+def test_wrong_length_values_are_misses_and_never_written(redis_url):
+    s = RedisStorage(redis_url, SUF, NB)
+    c = redis.Redis.from_url(redis_url)
+    big = page(7, 2 * NB)
+    c.set(key(1) + SUF, seal(key(1) + SUF, raw_format(big), big.numpy()) + big.numpy().tobytes())  # a bigger page
+    whole = seal(key(2) + SUF, raw_format(page(2)), page(2).numpy()) + page(2).numpy().tobytes()
+    c.set(key(2) + SUF, whole[:-1])  # truncated by one byte
+    c.set(key(3) + SUF, whole + b"!")  # one byte too many
+    c.set(key(4) + SUF, whole[:HEADER_NBYTES - 1])  # shorter than a seal
+    c.set(key(5) + SUF, b"")  # empty
+    assert s.batch_set([key(6)], [page(6)]) == [True]
+    keys = [key(i) for i in (1, 2, 3, 4, 5, 6)]
+    out = filled(6)
+    assert s.batch_get(keys, out) == [False] * 5 + [True]
+    assert all((t == 0xAB).all() for t in out[:5]) and torch.equal(out[5], page(6))
+    st = s.stats()
+    assert st.wrong_size == 1 and st.corrupt == 4
+    c.close()
+    s.close()
+
+
+def test_same_length_bad_page_is_zeroed_in_the_tensor(redis_url):
+    s = RedisStorage(redis_url, SUF, NB)
+    assert s.batch_set([key(1)], [page(1)]) == [True]
+    c = redis.Redis.from_url(redis_url)
+    c.setrange(key(1) + SUF, HEADER_NBYTES + NB - 1, b"\x00" if page(1)[-1] else b"\x01")  # last byte
+    out = filled(1)
+    assert s.batch_get([key(1)], out) == [False]
+    assert (out[0] == 0).all()  # read in place, refused, zeroed: none of its bytes are left
+    assert s.stats().corrupt == 1
+    c.close()
+    s.close()
+
+
+class CuttingProxy:
+    """A TCP proxy in front of a real server that closes the first connection after passing
+    ``cut`` bytes of the server's replies to GET commands (the connection handshake before them is
+    not counted); later connections pass everything."""
+
+    def __init__(self, port: int, cut: int) -> None:
+        self.port, self.cut = port, cut
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.port))
+            first, got = self.connections == 0, threading.Event()
+            self.connections += 1
+            threading.Thread(target=self._pump, args=(down, up, None, got), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, self.cut if first else None, got),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket, limit: int | None, got: threading.Event) -> None:
+        counted = 0
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if limit is None and b"GET" in data:
+                    got.set()
+                elif limit is not None and got.is_set():
+                    data = data[:limit - counted]
+                    counted += len(data)
+                dst.sendall(data)
+                if limit is not None and counted >= limit:
+                    break
+        except OSError:
+            pass
+        for sock in (src, dst):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("cut_at", ["line", "seal", "body"])
+def test_connection_cut_mid_reply_is_unavailable_and_leaves_no_partial_page(redis_url, cut_at):
+    nb = 256 << 10
+    writer = RedisStorage(redis_url, SUF, nb)
+    keys = [key(i) for i in range(3)]
+    pages = [page(i, nb) for i in range(3)]
+    assert writer.batch_set(keys, pages) == [True] * 3
+    reply = len(f"${HEADER_NBYTES + nb}\r\n") + HEADER_NBYTES + nb + 2
+    cut = reply + {"line": 3, "seal": 20, "body": 1000 + nb // 2}[cut_at]  # in the second reply
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = CuttingProxy(port, cut)
+    s = RedisStorage(proxy.url, SUF, nb, check=False)
+    out = filled(3, nb)
+    with pytest.raises(StorageUnavailable, match="unreachable"):
+        s.batch_get(keys, out)
+    assert (out[1] == 0).all() or (out[1] == 0xAB).all()  # the cut page: none of its bytes left
+    s.breaker.success()  # close the breaker (as a probe would after its backoff)
+    out = filled(3, nb)
+    assert s.batch_get(keys, out) == [True] * 3  # a fresh connection, nothing half-read on it
+    assert all(torch.equal(a, b) for a, b in zip(pages, out)) and proxy.connections == 2
+    s.close()
+    writer.close()
+    proxy.close()
+
+
+def scripted_server(answer: bytes) -> tuple[socket.socket, str]:
+    """A peer that answers any request with ``answer`` (the reply a real server never sends)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = listener.accept()
+        while True:
+            data = conn.recv(65536)
+            if not data:  # the client dropped the connection
+                break
+            if b"HELLO" in data:  # RESP3 handshake
+                conn.sendall(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+            elif b"GET" in data:
+                conn.sendall(answer)
+            else:  # the client's handshake (CLIENT SETINFO ...): OK to each command
+                conn.sendall(b"+OK\r\n" * (data.count(b"\r\n*") + data.startswith(b"*")))
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+
+
+@pytest.mark.parametrize("answer", [b"*1\r\n$1\r\nx\r\n", b"$x1\r\n", b"$3\r\nabcXY", b":1\r\n",
+                                    b"$1\r\nab\r\n", b"$" + b"9" * 5000, b"+OK\r\n", b">1\r\n$x\r\n"])
+def test_a_reply_that_is_not_a_get_reply_is_a_protocol_error_and_drops_the_connection(answer):
+    listener, url = scripted_server(answer)
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    dest = bytearray(8)
+    with pytest.raises(ProtocolError):
+        GetReader(HEADER_NBYTES).get_into(client, [b"k"], None, [memoryview(dest)], lambda j, r, h: None)
+    pool = client.connection_pool
+    assert not pool._in_use_connections and all(c._sock is None for c in pool._available_connections)
+    assert dest == bytearray(8)
+    client.close()
+    listener.close()
+
+
+def test_ttl_reads_use_getex(redis_url):
+    s = RedisStorage(redis_url, SUF, NB, ttl_s=100)
+    assert s.batch_set([key(1)], [page(1)]) == [True]
+    c = redis.Redis.from_url(redis_url)
+    c.pexpire(key(1) + SUF, 5000)
+    out = filled(1)
+    assert s.batch_get([key(1)], out) == [True] and torch.equal(out[0], page(1))
+    assert c.pttl(key(1) + SUF) > 50_000  # refreshed by the read
+    c.close()
+    s.close()
+
+
+def test_a_push_before_the_reply_is_skipped_and_extra_bytes_drop_the_connection():
+    listener, url = scripted_server(b">2\r\n$4\r\nnote\r\n*1\r\n:1\r\n_\r\n+extra\r\n")  # push, nil, extra
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    seen = []
+    assert GetReader(HEADER_NBYTES).get_into(client, [b"k"], None, [memoryview(bytearray(8))],
+                                             lambda j, r, h: seen.append((j, r))) == [None]
+    assert seen == [(0, None)]
+    pool = client.connection_pool
+    assert all(c._sock is None for c in pool._available_connections)  # not trusted after the extra bytes
+    client.close()
+    listener.close()
