@@ -90,13 +90,14 @@ def make_bare(page_size=1):
     return Rig(page_size)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_a_row_listing_a_never_written_slot_is_refused_naming_it(page_size):
+@pytest.mark.parametrize("page_size,hole", [(1, 5), (4, 5), (4, 0)])
+def test_a_row_listing_a_never_written_slot_is_refused_naming_it(page_size, hole):
     rig = make_bare(page_size)
     req, _ = place(rig, "n", 8, 8)
     row = req.kv.req_pool_idx
-    rig.pool.req_to_token[row, 0] = 0                 # a slot id 0 before the hole
-    rig.pool.req_to_token[row, 5] = -1
+    if hole:
+        rig.pool.req_to_token[row, 0] = 0             # a slot id 0 before the hole
+    rig.pool.req_to_token[row, hole] = -1             # hole 0: the row is still ascending
     free_before = rig.alloc.available_size()
     with pytest.raises(InvalidRequest, match=r"lists slot -1 at a position to free \(ranges \[\(0, 8\)\]\)"):
         rig.mgr.finalize_release_on_finish(req)
@@ -153,6 +154,14 @@ def test_pools_that_can_tell_are_asked_before_anything_is_freed():
     rig.mgr.finalize_release_on_finish(req)
     assert (rig.alloc.checks, rig.pool.checks) == (1, 1)
     assert rig.mgr.state_of(req) is State.RELEASED
+
+
+def test_an_allocator_that_can_tell_is_asked_even_when_the_row_pool_cannot():
+    alloc, pool = CheckingAllocator(4 * 64, 4), ReqToTokenPool(4, 64)
+    rig = Rig(4, pool=pool, alloc=alloc, release_sink=AllocatorReleaseSink(pool, alloc))
+    req, _ = place(rig, "a", 8, 8)
+    rig.mgr.finalize_release_on_finish(req)
+    assert alloc.checks == 1 and rig.mgr.state_of(req) is State.RELEASED
 
 
 def test_no_slots_to_free_means_no_slot_check():

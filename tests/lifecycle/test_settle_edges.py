@@ -187,3 +187,35 @@ def test_a_non_callable_check_free_attribute_is_ignored():
     req.finish()
     rig.mgr.finalize_release_on_finish(req)
     assert rig.mgr.state_of(req) is State.RELEASED
+
+
+class ReenteringOffloader(InMemoryOffloader):
+    """Calls back into the manager from ``finished_writes`` (a bug the manager must refuse)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.mgr = self.req = None
+        self.errors = []
+
+    def finished_writes(self):
+        if self.mgr is not None:
+            try:
+                self.mgr.offload_kv_cache(self.req)
+            except Exception as err:  # noqa: BLE001 - recorded for the test
+                self.errors.append(err)
+        return super().finished_writes()
+
+
+def test_a_call_back_into_the_manager_during_progress_is_refused_and_changes_nothing():
+    from lifecycle.errors import ReentrantCall
+
+    rig = Rig(PS, offloader=ReenteringOffloader(page_size=PS, host_pages=64, auto_land=False))
+    req, _ = rig.admit("re", 8, 24)
+    rig.decode(req, 8)                                # acks 1, 2 in flight
+    for t in range(4):                               # KV 20: a third chunk is due, not offloaded
+        req.decode(7200 + t)
+    rig.off.mgr, rig.off.req = rig.mgr, req
+    before = rig.mgr.stats().chunks_enqueued
+    rig.progress()
+    assert [type(e) for e in rig.off.errors] == [ReentrantCall]
+    assert rig.mgr.stats().chunks_enqueued == before
