@@ -136,6 +136,25 @@ class MooncakeMaster(_Process):
         return self.start()
 
 
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in (line.split() for line in f.readlines()[1:]):
+                if row[3] == "0A" and row[9] in inodes:  # LISTEN
+                    ports.add(int(row[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 class SegmentHolder(_Process):
     """A standalone ``mooncake_client`` contributing ``segment`` bytes to a master's store (bytes:
     the binary reads "64MiB" as 0)."""
@@ -152,6 +171,12 @@ class SegmentHolder(_Process):
                                      start_new_session=True)
         self._wait_port(self.port, "mooncake_client", timeout)
         return self
+
+    def holds(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` (a replica's ``transport_endpoint``, ``127.0.0.1:PORT``) is this
+        holder's segment (one of the ports it listens on)."""
+        host, _, port = endpoint.rpartition(":")
+        return self.alive() and host == "127.0.0.1" and int(port) in listening_ports(self.proc.pid)
 
 
 def start_master(root: Path, attempts: int = 3, **kwargs) -> MooncakeMaster:

@@ -111,6 +111,12 @@ def test_setup_against_a_silent_port_is_bounded():
         assert time.monotonic() - t < 5.0  # Mooncake's setup holds the GIL: bounded by its RPC timeout
 
 
+def on_holder(store, names, holder) -> list[bool]:
+    """Whether each object's (only) replica lies in ``holder``'s segment."""
+    return [holder.holds(store._store.get_replica_desc(name)[0].get_memory_descriptor()
+                         .buffer_descriptor.transport_endpoint) for name in names]
+
+
 def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_mooncake):
     master = make_mooncake(client_ttl_s=2)
     h1, h2 = make_mooncake.holder(master), make_mooncake.holder(master)
@@ -122,6 +128,13 @@ def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_moonca
         pool = pages(n)
         assert wait_for(lambda: stored(one, keys1, list(pool)), 10.0)
         assert two.batch_set(keys2, list(pool)) == [True] * n
+        # placement is random per object: which pages lose K or V, which only their seal, with h1
+        kv_on_h1 = [any(on_holder(one, one.naming.objects(k), h1)) for k in keys1]
+        seal_on_h1 = on_holder(one, [one.naming.seal_object(k) for k in keys1], h1)
+        names = [o for k in keys1 for o in one.naming.objects(k) + [one.naming.seal_object(k)]]
+        where = on_holder(one, names, h1)
+        assert where != on_holder(one, names, h2) and all(a != b for a, b in zip(where, on_holder(one, names, h2)))
+        h1_objects = [o for o, on in zip(names, where) if on]
         h1.kill()
         out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(n)]
         for s, keys in ((one, keys1), (two, keys2)):  # while the master still lists h1: bounded misses
@@ -129,14 +142,19 @@ def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_moonca
             assert took < 6.0  # a worker-thread call (GIL released): the transfer's connect to a dead peer
             assert all(torch.equal(o, p) for o, p, ok in zip(out, pool, got) if ok)
             assert all(not o.any() for o, ok in zip(out, got) if not ok)
-        # once the master drops h1 (client_ttl 2 s): two replicas -> every page, bit-exact
-        assert wait_for(lambda: two.batch_get(keys2, out) == [True] * n, 10.0, 0.5)
-        assert all(torch.equal(o, p) for o, p in zip(out, pool))
-        # one replica: the pages with an object on h1 are gone (random placement: 16 objects on 2 holders)
+        assert one.stats().holder_gone == sum(kv_on_h1)  # counted while the master still listed h1
+        # once the master drops h1 (client_ttl 2 s): h1's objects are gone ...
+        assert wait_for(lambda: not any(c == 1 for c in one._store.batch_is_exist(h1_objects)), 10.0, 0.25)
+        # ... two replicas: every page, bit-exact
+        assert two.batch_get(keys2, out) == [True] * n and all(torch.equal(o, p) for o, p in zip(out, pool))
+        # one replica: exactly the pages that had K or V on h1 are misses; a page that lost only its
+        # seal is served, counted unverified; every page served is bit-exact
+        before = one.stats().unverified
         got = one.batch_get(keys1, out)
-        assert 0 < got.count(False) < n and one.batch_exists(keys1) < n
+        assert got == [not lost for lost in kv_on_h1], (got, kv_on_h1)
+        assert one.batch_exists(keys1) == (kv_on_h1 + [True]).index(True)
+        assert one.stats().unverified - before == sum(s and not k for s, k in zip(seal_on_h1, kv_on_h1))
         assert all(torch.equal(o, p) for o, p, ok in zip(out, pool, got) if ok)
-        assert one.stats().holder_gone >= 1  # counted while the master still listed h1
         # and rewritable
         assert stored(one, keys1, list(pool)) and one.batch_get(keys1, out) == [True] * n
         h2.kill()
