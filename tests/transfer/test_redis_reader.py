@@ -12,10 +12,13 @@ import threading
 import pytest
 import redis
 import torch
+from redis.cluster import RedisCluster as ClusterClient
 
+from lifecycle_tools.testkit.redis_cluster import redis_cluster  # noqa: F401 (fixture)
 from transfer import StorageUnavailable
 from transfer.storage.integrity import raw_format, seal
 from transfer.storage.redis import HEADER_NBYTES, RedisStorage
+from transfer.storage.redis_cluster import RedisClusterStorage, node_url
 from transfer.storage.redis_reader import GetReader, ProtocolError, pack_gets
 
 NB = 4096
@@ -236,3 +239,26 @@ def test_a_push_before_the_reply_is_skipped_and_extra_bytes_drop_the_connection(
     assert all(c._sock is None for c in pool._available_connections)  # not trusted after the extra bytes
     client.close()
     listener.close()
+
+
+def test_cluster_slot_moved_under_a_stale_map_is_followed_by_writes_and_reads(redis_cluster):
+    """Regression: a ``MOVED`` reply (redis-py's ``MovedError``, whose text is only "slot host:port")
+    was never recognised by the cluster write path, so a write after a slot moved was a failure."""
+    writer = RedisClusterStorage(redis_cluster.url, SUF, NB)
+    reader = RedisClusterStorage(redis_cluster.url, SUF, NB)  # both cache the slot map now
+    k = key(0xC1)
+    name = (k + SUF).encode()
+    admin = ClusterClient.from_url(node_url(redis_cluster.url))
+    slot, owner = admin.keyslot(name), admin.get_node_from_key(name)
+    target = next(n for n in admin.get_primaries() if n.name != owner.name)
+    target_id = admin.get_redis_connection(target).execute_command("CLUSTER", "MYID")
+    for node in [target, owner] + [n for n in admin.get_primaries() if n.name not in (target.name, owner.name)]:
+        admin.get_redis_connection(node).execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+    assert writer.batch_set([k], [page(0xC1)]) == [True]  # MOVED: map refreshed, resent to the new owner
+    out = filled(1)
+    assert reader.batch_get([k], out) == [True] and torch.equal(out[0], page(0xC1))  # the same for reads
+    assert writer.stats().errors == 0 and reader.stats().errors == 0
+    assert admin.get_redis_connection(target).exists(name) == 1
+    admin.close()
+    writer.close()
+    reader.close()

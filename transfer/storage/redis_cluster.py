@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, ClusterError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import AskError, ClusterError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
@@ -145,7 +145,7 @@ class RedisClusterStorage(RedisStorage):
                 for i, reply in zip(idxs, send_and_read(self._client.get_redis_connection(node), memoryview(part),
                                                         len(idxs))):
                     replies[i] = reply
-                    if isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK")):
+                    if isinstance(reply, AskError):  # MovedError too (its text no longer says MOVED)
                         moved.append(i)
             if not moved or attempt:
                 break
