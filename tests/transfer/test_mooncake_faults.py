@@ -69,7 +69,7 @@ def test_master_killed_then_restarted_empty(make_mooncake):
         assert s.batch_exists(old) == 0  # what it held before is gone
         assert s.breaker.state is BreakerState.CLOSED and s.breaker.stats().outages >= 1
     finally:
-        s.close()
+        s.close(wait=True)  # while the master is up: a close racing its stop takes seconds longer
 
 
 def test_master_absent_at_setup_lazy_connects_later(make_mooncake):
@@ -96,7 +96,7 @@ def test_master_absent_at_setup_lazy_connects_later(make_mooncake):
             s.close(wait=True)
             master.stop()
     finally:
-        s.close()
+        s.close(wait=True)  # while the master is up: a close racing its stop takes seconds longer
 
 
 def test_setup_against_a_silent_port_is_bounded():
@@ -159,8 +159,8 @@ def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_moonca
         assert stored(one, keys1, list(pool)) and one.batch_get(keys1, out) == [True] * n
         h2.kill()
     finally:
-        one.close()
-        two.close()
+        one.close(wait=True)
+        two.close(wait=True)
 
 
 def test_preferred_local_segment_keeps_pages_when_another_holder_dies(make_mooncake):
@@ -178,7 +178,7 @@ def test_preferred_local_segment_keeps_pages_when_another_holder_dies(make_moonc
         assert s.batch_get(keys, out) == [True] * 16 and all(torch.equal(o, p) for o, p in zip(out, pool))
         assert s.stats().holder_gone == 0
     finally:
-        s.close()
+        s.close(wait=True)  # while the master is up: a close racing its stop takes seconds longer
 
 
 def test_a_full_store_refuses_pages_and_never_leaves_one_without_its_seal(make_mooncake):
@@ -201,4 +201,4 @@ def test_a_full_store_refuses_pages_and_never_leaves_one_without_its_seal(make_m
         assert all(torch.equal(out[i], pool[i]) for i, r in enumerate(read) if r)
         assert all(not out[i].any() for i, r in enumerate(read) if not r)
     finally:
-        s.close()
+        s.close(wait=True)  # while the master is up: a close racing its stop takes seconds longer

@@ -134,7 +134,8 @@ def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(store, mod
     page = pages(1, seed=5)[0]
     half = NB // 2
     names = sglang_keys(h, "org/tiny", 1, mla=False)  # what SGLang's tp rank 1 writes
-    strict = open_storage(module_master.spec(require_checksum=1), "_org-tiny_1_2", NB, page_format=MHA)
+    strict = open_storage(module_master.spec(require_checksum=1, global_segment_size=0), "_org-tiny_1_2", NB,
+                          page_format=MHA)  # no segment: a client closes 1 s faster without one
     raw.register_buffer(page.data_ptr(), NB)
     try:
         assert raw.batch_put_from(names, [page.data_ptr(), page.data_ptr() + half], [half, half]) == [0, 0]
@@ -208,7 +209,7 @@ def test_renamed_and_foreign_format_pages_are_misses(store, raw, mooncake_master
     buf = torch.zeros(NB, dtype=torch.uint8)
     assert store.batch_get([b], [buf]) == [False] and store.stats().foreign == 1
     # the same bytes written by a deployment of another dtype under the same names
-    fp16 = open_storage(mooncake_master.spec(), "_org-tiny_1_2", NB,
+    fp16 = open_storage(mooncake_master.spec(global_segment_size=0), "_org-tiny_1_2", NB,
                         page_format=PageFormat.of("page_first", torch.float16, MHA.shape))
     try:
         c = fresh_hashes(1)[0]
