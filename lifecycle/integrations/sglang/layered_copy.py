@@ -66,10 +66,8 @@ class LayeredChunkCopy:
 
     def to_host(self) -> None:
         """Device -> host (on CUDA: launched on the current stream, asynchronous)."""
-        kv = self.kv
         if self.cuda:
-            staging = torch.empty((self.n_pages, kv.kinds, self.ps, kv.layers, kv.heads, kv.head_dim),
-                                  dtype=self.host_words.dtype, device=kv.device)
+            staging = self._staging()
             for k, per_layer in enumerate(self.dev):
                 for layer, buf in enumerate(per_layer):
                     staging[:, k, :, layer].copy_(self._pages(buf.index_select(0, self.index), self.n_pages))
@@ -90,12 +88,17 @@ class LayeredChunkCopy:
                     self.host_words[host:host + n, k, :, layer].copy_(
                         self._pages(buf[dev:dev + n * self.ps], n))
 
+    def _staging(self) -> torch.Tensor:
+        """A device buffer in the host pages' layout for this chunk (CUDA path)."""
+        kv = self.kv
+        return torch.empty((self.n_pages, kv.kinds, self.ps, kv.layers, kv.heads, kv.head_dim),
+                           dtype=self.host_words.dtype, device=kv.device)
+
     def to_device(self) -> None:
         """Host -> device (on CUDA: asynchronous H2D per run, then one scatter per buffer)."""
         kv = self.kv
         if self.cuda:
-            staging = torch.empty((self.n_pages, kv.kinds, self.ps, kv.layers, kv.heads, kv.head_dim),
-                                  dtype=self.host_words.dtype, device=kv.device)
+            staging = self._staging()
             for pos, first, length in self.runs:
                 staging[pos:pos + length].copy_(self.host_words[first:first + length], non_blocking=True)
             n = self.n_pages * self.ps
