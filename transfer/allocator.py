@@ -52,6 +52,17 @@ class PagedTokenAllocator:
         pages = self._pages.alloc(-(-n_tokens // self.page_size))
         return None if pages is None else slots_of_pages(pages, self.page_size, ascending=True)
 
+    def check_free(self, indices: torch.Tensor) -> None:
+        """Raise exactly what ``free(indices)`` would raise, and change nothing.
+
+        A caller that frees more than this allocator in one step (a request's slots and its row)
+        checks every part first, so a refusal leaves nothing half freed.
+
+        Raises:
+            BadIndices, NotAllocated, DoubleFree: see ``free``.
+        """
+        self._pages.check_free(self._page_ids(indices))
+
     def free(self, indices: torch.Tensor) -> int:
         """Free every page any of ``indices`` lies on (each page once, however often it appears).
 
@@ -62,10 +73,14 @@ class PagedTokenAllocator:
             NotAllocated: a page never allocated (the padding page included).
             DoubleFree: a page already free. On any error nothing changes.
         """
+        return self._pages.free(self._page_ids(indices))
+
+    def _page_ids(self, indices: torch.Tensor):
+        """The page of each slot (numpy int64), after validating the tensor and the slot range."""
         idx = as_index_tensor(indices).numpy()
         if idx.shape[0] and (int(idx.min()) < 0 or int(idx.max()) >= self.total_slots):
             raise BadIndices(f"slot indices must lie in 0..{self.total_slots - 1}")
-        return self._pages.free(idx // self.page_size)
+        return idx // self.page_size
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + held pages == total pages."""

@@ -65,6 +65,14 @@ class PageSet:
             self._state[got] = _HELD
         return got
 
+    def check_free(self, pages: np.ndarray) -> None:
+        """Raise exactly what ``free(pages)`` would raise; change nothing.
+
+        Raises:
+            BadIndices, NotAllocated, DoubleFree: see ``free``.
+        """
+        self._checked(pages)
+
     def free(self, pages: np.ndarray) -> int:
         """Release ``pages`` (a page listed several times counts once).
 
@@ -75,9 +83,23 @@ class PageSet:
             NotAllocated: a page never handed out (reserved pages included).
             DoubleFree: a page already released.
         """
-        pages = np.sort(np.asarray(pages, dtype=np.int64))
+        pages, lo, hi, run = self._checked(pages)
         if pages.shape[0] == 0:
             return 0
+        if run:
+            self._state[lo:hi + 1] = _RELEASED
+        else:
+            self._state[pages] = _RELEASED
+        self._released.append(pages)
+        self._released_count += pages.shape[0]
+        return pages.shape[0]
+
+    def _checked(self, pages: np.ndarray) -> tuple[np.ndarray, int, int, bool]:
+        """``free``'s validation: the distinct sorted pages, their lowest and highest id, and
+        whether they form one run of consecutive ids; raises (see ``free``) changing nothing."""
+        pages = np.sort(np.asarray(pages, dtype=np.int64))
+        if pages.shape[0] == 0:
+            return pages, 0, -1, True
         if pages.shape[0] > 1 and (pages[1:] == pages[:-1]).any():
             pages = np.unique(pages)
         lo, hi = int(pages[0]), int(pages[-1])
@@ -90,13 +112,7 @@ class PageSet:
             if never.shape[0]:
                 raise NotAllocated(f"pages {never[:8].tolist()} were never allocated")
             raise DoubleFree(f"pages {pages[state == _RELEASED][:8].tolist()} are already free")
-        if run:
-            self._state[lo:hi + 1] = _RELEASED
-        else:
-            self._state[pages] = _RELEASED
-        self._released.append(pages)
-        self._released_count += pages.shape[0]
-        return pages.shape[0]
+        return pages, lo, hi, run
 
     def is_held(self, pages: np.ndarray) -> bool:
         """Whether every page in ``pages`` (valid ids) is currently held."""

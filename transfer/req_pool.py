@@ -45,6 +45,17 @@ class ReqToTokenPool:
         self._held[row] = True
         return row
 
+    def check_free(self, req: Any) -> None:
+        """Raise exactly what ``free(req)`` would raise, and change nothing (``req`` included).
+
+        A caller that frees more than this pool in one step (a request's slots and its row)
+        checks every part first, so a refusal leaves nothing half freed.
+
+        Raises:
+            NotAllocated, DoubleFree: see ``free``.
+        """
+        self._held_row(req)
+
     def free(self, req: Any) -> None:
         """Return ``req.kv.req_pool_idx`` to the pool and set it to None.
 
@@ -52,12 +63,21 @@ class ReqToTokenPool:
             NotAllocated: the index is None/-1 or outside the pool (row never held by ``req``).
             DoubleFree: the row is already free. On any error nothing changes.
         """
-        row = req.kv.req_pool_idx
-        if row is None or isinstance(row, bool) or not 0 <= int(row) < self.size:
-            raise NotAllocated(f"request holds no row (req_pool_idx={row!r})")
-        row = int(row)
-        if not self._held[row]:
-            raise DoubleFree(f"row {row} is already free")
+        row = self._held_row(req)
         self._held[row] = False
         self._free.append(row)
         req.kv.req_pool_idx = None
+
+    def _held_row(self, req: Any) -> int:
+        """``req``'s row as an int, if this pool holds it (see ``free`` for what is raised)."""
+        row = req.kv.req_pool_idx
+        try:
+            index = None if row is None or isinstance(row, bool) else int(row)
+        except (TypeError, ValueError):
+            index = None
+        if index is None or not 0 <= index < self.size:
+            raise NotAllocated(f"request holds no row (req_pool_idx={row!r})")
+        row = index
+        if not self._held[row]:
+            raise DoubleFree(f"row {row} is already free")
+        return row

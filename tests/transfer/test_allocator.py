@@ -80,3 +80,46 @@ def test_bad_sizes():
         PagedTokenAllocator(30, 16)
     with pytest.raises(ValueError):
         PagedTokenAllocator(16, 16).alloc(-1)
+
+
+def _outcome(call):
+    """The error type ``call`` raises (None when it returns)."""
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the type is what is compared
+        return type(err)
+    return None
+
+
+def test_check_free_raises_exactly_what_free_would_and_changes_nothing():
+    a = PagedTokenAllocator(64, 16)
+    got = a.alloc(32)                                  # pages 1, 2 held; 3, 4 never allocated
+    a.free(got[16:])                                   # page 2 released
+    cases = [
+        (got[:16], None), (got[:3], None), (got, DoubleFree), (torch.tensor([0]), NotAllocated),
+        (torch.tensor([16, 70]), NotAllocated), (torch.tensor([16, 80]), BadIndices),
+        (torch.tensor([-1]), BadIndices), (torch.tensor([[16]]), BadIndices),
+        (torch.tensor([16.0]), BadIndices), (torch.empty(0, dtype=torch.int64), None),
+    ]
+    for indices, expected in cases:
+        before = a.available_size()
+        assert _outcome(lambda: a.check_free(indices)) is expected, indices
+        assert a.available_size() == before
+        a.check_integrity()
+    assert _outcome(lambda: a.free(got[:16])) is None   # check_free passed: free frees
+    assert a.available_size() == 64
+
+
+def test_check_free_agrees_with_free_under_churn():
+    a = PagedTokenAllocator(256, 4)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        a.alloc(int(torch.randint(1, 12, (1,), generator=g)))
+        probe = torch.randint(0, a.total_slots, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        before = a.available_size()
+        expected = _outcome(lambda: a.check_free(probe))
+        assert a.available_size() == before
+        assert _outcome(lambda: a.free(probe)) is expected
+        if expected is not None:
+            assert a.available_size() == before
+    a.check_integrity()

@@ -37,3 +37,30 @@ def test_free_of_no_row_raises(idx):
     with pytest.raises(NotAllocated):
         pool.free(req(idx))
     assert pool.available_size() == 2
+
+
+@pytest.mark.parametrize("idx", [None, -1, 5, True, "x", object()])
+def test_check_free_and_free_of_no_row_raise_not_allocated_and_change_nothing(idx):
+    pool = ReqToTokenPool(2, 8)
+    pool.alloc()
+    r = req(idx)
+    for call in (pool.check_free, pool.free):
+        with pytest.raises(NotAllocated):
+            call(r)
+        assert pool.available_size() == 1 and r.kv.req_pool_idx is idx
+
+
+def test_check_free_of_a_row_already_free_raises_double_free_and_changes_nothing():
+    pool = ReqToTokenPool(2, 8)
+    r = req(pool.alloc())
+    stale = req(r.kv.req_pool_idx)
+    pool.check_free(r)                                 # held: nothing to say, nothing changed
+    assert r.kv.req_pool_idx == 0 and pool.available_size() == 1
+    pool.free(r)
+    with pytest.raises(DoubleFree):
+        pool.check_free(stale)
+    assert stale.kv.req_pool_idx == 0 and pool.available_size() == 2
+    assert pool.alloc() == 0                           # taken again: the stale handle may free it
+    pool.check_free(stale)
+    pool.free(stale)
+    assert pool.available_size() == 2
