@@ -5,6 +5,12 @@ prompts, 192 decode steps, page 16, copies landing by the next progress check. L
 out (structlog at WARNING) so the machine and the algorithm are measured, not the log sink.
 
     .venv/bin/python bench/bench_manager.py [--repeats 7] [--requests 128] [--steps 192] [--clock cpu]
+    .venv/bin/python bench/bench_manager.py --against /tmp/base988 --repeats 9 --clock cpu
+
+``--against DIR`` compares this tree's ``lifecycle`` with an older one (``DIR/lifecycle``, e.g.
+``git archive 988768c lifecycle | tar -x -C DIR``): each repeat runs the workload once in a fresh
+process per version (order alternating), each version's ratio taken against the plain-dict run
+of its own process; medians printed side by side.
 
 ``--clock cpu`` times the manager calls with this thread's CPU time (``time.thread_time``) instead
 of wall time: on a shared machine other processes then do not inflate one implementation's runs.
@@ -14,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -22,6 +30,8 @@ import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if os.environ.get("BENCH_LIFECYCLE_FROM"):  # --against: this worker process measures an older lifecycle
+    sys.path.insert(0, os.environ["BENCH_LIFECYCLE_FROM"])
 
 import structlog  # noqa: E402
 import torch  # noqa: E402
@@ -187,8 +197,54 @@ def bytes_per_request(n=10_000):
     return (after - before) / n, gc_ms
 
 
+def against(args) -> None:
+    """Interleaved fresh-process runs of this tree's lifecycle and ``args.against``'s (see module doc)."""
+    import subprocess
+
+    versions = {"this tree": None, f"{args.against}": str(Path(args.against).resolve())}
+    ratios = {v: [] for v in versions}
+    totals = {v: [] for v in versions}
+    cmd = [sys.executable, __file__, "--worker", "--clock", args.clock, "--requests", str(args.requests),
+           "--prompt", str(args.prompt), "--steps", str(args.steps), "--page", str(args.page)]
+    for i in range(args.repeats):
+        order = list(versions) if i % 2 == 0 else list(versions)[::-1]
+        for v in order:
+            env = dict(os.environ)
+            env.pop("BENCH_LIFECYCLE_FROM", None)
+            if versions[v]:
+                env["BENCH_LIFECYCLE_FROM"] = versions[v]
+            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+            got = json.loads(out.strip().splitlines()[-1])
+            assert got.pop("from").startswith(versions[v] or str(Path(__file__).resolve().parent.parent)), got
+            ratios[v].append(got["lifecycle (transitions)"] / got["plain dict"])
+            totals[v].append(got["lifecycle (transitions)"])
+    print(f"workload: {args.requests} requests x {args.prompt}-token prompts x {args.steps} steps, page "
+          f"{args.page}; {args.repeats} interleaved fresh-process runs per version; {args.clock} clock")
+    print(f"{'lifecycle version':26} {'median ms':>9} {'median vs plain dict':>21} {'min':>6} {'max':>6}")
+    for v in versions:
+        r = ratios[v]
+        print(f"{v:26} {statistics.median(totals[v]) * 1e3:9.1f} {statistics.median(r):20.2f}x "
+              f"{min(r):5.2f}x {max(r):5.2f}x")
+
+
+def worker(args) -> None:
+    """One warm-up and one measured run of every implementation; prints their seconds as JSON."""
+    got = {}
+    for name, make in IMPLS.items():
+        workload(make, args.requests, args.prompt, args.steps, args.page)
+    for name, make in IMPLS.items():
+        gc.collect()
+        got[name], _ = workload(make, args.requests, args.prompt, args.steps, args.page)
+    import lifecycle
+
+    got["from"] = str(Path(lifecycle.__file__).resolve())
+    print(json.dumps(got))
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--against", metavar="DIR", help="also measure DIR/lifecycle (an older version)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=512)
@@ -198,6 +254,10 @@ def main():
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if args.worker:
+        return worker(args)
+    if args.against:
+        return against(args)
     times = {name: [] for name in IMPLS}
     for _ in range(args.repeats):
         for name, make in IMPLS.items():

@@ -149,12 +149,15 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
             f"request {rec.rid!r}: chunk [{start}, {end}) has tokens whose KV is not committed "
             f"(committed {committed!r})"
         )
+    # a list's slice is already a private copy; other sequences (tuples, arrays) are copied once
     if end <= n_in:
-        tokens = list(origin[start:end])
+        tokens = origin[start:end]
     elif start >= n_in:
-        tokens = list(out[start - n_in : end - n_in])
+        tokens = out[start - n_in : end - n_in]
     else:
         tokens = list(origin[start:]) + list(out[: end - n_in])
+    if type(tokens) is not list:
+        tokens = list(tokens)
     try:
         names = page_hashes(tokens, mgr.page_size, rec.offload.last_hash)
     except TokenRangeError:

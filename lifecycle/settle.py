@@ -50,14 +50,17 @@ def progress(mgr) -> None:
     """
     refused = poll(mgr)
     landed, stored = mgr._landed, mgr._stored
-    for ack in [a for a in landed if a in mgr._expired]:
-        landed.discard(ack)
-        mgr._failed.discard(ack)
-        on_expired_ended(mgr, mgr._expired.pop(ack))
-    unknown = [("ack", a) for a in landed if a not in mgr._ongoing]
-    unknown += [("op", o) for o in stored if o not in mgr._storage_ops]
-    for kind, i in unknown:
-        (landed if kind == "ack" else stored).discard(i)
+    if mgr._expired:
+        for ack in [a for a in landed if a in mgr._expired]:
+            landed.discard(ack)
+            mgr._failed.discard(ack)
+            on_expired_ended(mgr, mgr._expired.pop(ack))
+    unknown = ()  # one C-level subset test each on the common path (every id known)
+    if not mgr._ongoing.keys() >= landed or not mgr._storage_ops.keys() >= stored:
+        unknown = [("ack", a) for a in landed if a not in mgr._ongoing]
+        unknown += [("op", o) for o in stored if o not in mgr._storage_ops]
+        for kind, i in unknown:
+            (landed if kind == "ack" else stored).discard(i)
     if mgr.tp_group is None:
         acks, ops = list(landed), list(stored)
     else:
