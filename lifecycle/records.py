@@ -26,15 +26,25 @@ class Record(msgspec.Struct, gc=False):
     row: int
     state: State
     offload: OffloadedState
-    log: object
+    logger: object  # the manager's logger; ``log`` binds it to this request on first use
     inflight: int = 0
     slots: int = 0
     generation: int = 0
     expired: tuple | None = None  # ack ids of this request's expired copies still quarantined
+    _bound: object = None  # ``log``, once built; None again after a readmit (new row, generation)
 
     # A record is also the ``lifecycle.states.Facts`` of a trigger that carries no call facts.
     finished = False
     finalizing = False
+
+    @property
+    def log(self):
+        """The manager's logger bound to this request (``rid``, ``row``, ``gen``), built on first use:
+        most requests never log, and a bound logger per request costs time and memory on first sight."""
+        bound = self._bound
+        if bound is None:
+            bound = self._bound = self.logger.bind(rid=self.rid, row=self.row, gen=self.generation)
+        return bound
 
 
 class Chunk(msgspec.Struct):

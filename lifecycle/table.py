@@ -29,7 +29,7 @@ def new_record(mgr, req, view, progress) -> Record:
     ref = weakref.KeyedRef(req, mgr._dropped.append, id(req))
     row, _, allocated = view
     return Record(ref, req.rid, row, State.PREFILLED, progress,
-                  mgr._log.bind(rid=req.rid, row=row, gen=0), slots=allocated)
+                  mgr._log, slots=allocated)
 
 
 def insert(mgr, rec: Record, req) -> None:

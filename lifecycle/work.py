@@ -85,7 +85,7 @@ def reset_progress(fire) -> None:
     row, _, allocated = kw["view"]
     rec.row, rec.offload, rec.slots = row, kw["progress"], allocated
     rec.generation += 1
-    rec.log = mgr._log.bind(rid=rec.rid, row=row, gen=rec.generation)
+    rec._bound = None  # ``rec.log`` binds the new row and generation on first use
 
 
 def record_transition(fire) -> None:
