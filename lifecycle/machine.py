@@ -30,12 +30,16 @@ logging.getLogger("transitions").setLevel(logging.WARNING)
 class Fire:
     """Event data handed to callbacks: the same attribute names as transitions' ``EventData``."""
 
-    __slots__ = ("model", "kwargs", "event", "machine", "transition", "state", "args", "result", "error")
+    __slots__ = ("model", "kwargs", "event", "transition", "state")
+    args, result, error = (), True, None  # constant here: no positional args, a refusal raises
 
     def __init__(self, model, kwargs, event, transition, state):
-        self.model, self.kwargs, self.event = model, kwargs, event
-        self.machine, self.transition, self.state = event.machine, transition, state
-        self.args, self.result, self.error = (), True, None
+        self.model, self.kwargs, self.event, self.transition, self.state = model, kwargs, event, transition, state
+
+    @property
+    def machine(self):
+        """The machine the event belongs to."""
+        return self.event.machine
 
 
 class LeanEvent(Event):
