@@ -141,15 +141,19 @@ def workload(make, n_req, prompt_len, steps, page):
 
 
 IMPLS = {
-    "lifecycle (transitions)": lambda p, a, ps, o: DecodeOffloadManager(p, a, page_size=ps, offloader=o),
+    "lifecycle (transitions)": lambda p, a, ps, o: _lifecycle(p, a, ps, o),
     "plain dict": lambda p, a, ps, o: PlainDictManager(p, a, ps, o),
     "as written (SGLang)": lambda p, a, ps, o: AsWrittenManager(p, a, ps, o),
 }
 
 
-def fast_path_us(n=200_000):
+def _lifecycle(p, a, ps, o):
+    return DecodeOffloadManager(p, a, page_size=ps, offloader=o)
+
+
+def fast_path_us(n=200_000, make=_lifecycle):
     pool, alloc, off = Pool(1, 2048), Allocator(), Offloader()
-    mgr = DecodeOffloadManager(pool, alloc, page_size=16, offloader=off)
+    mgr = make(pool, alloc, 16, off)
     req = Req("r", list(range(512)), 0)
     mgr.offload_kv_cache(req)
     t0 = CLOCK()
@@ -158,10 +162,10 @@ def fast_path_us(n=200_000):
     return (CLOCK() - t0) / n * 1e6
 
 
-def per_chunk_us(n=20_000):
+def per_chunk_us(n=20_000, make=_lifecycle):
     """Time of an offload call that enqueues one chunk plus its landing and storage settle."""
     pool, alloc, off = Pool(1, 16 * n + 64), Allocator(), Offloader()
-    mgr = DecodeOffloadManager(pool, alloc, page_size=16, offloader=off)
+    mgr = make(pool, alloc, 16, off)
     req = Req("r", list(range(16)), 0)
     mgr.offload_kv_cache(req)
     total = 0.0
@@ -174,6 +178,50 @@ def per_chunk_us(n=20_000):
         mgr.check_offload_progress()
         total += CLOCK() - t0
     return total / n * 1e6
+
+
+def first_sight_release_us(n=3_000, make=_lifecycle):
+    """Per request: the first offload call (tracks it, hashes a 512-token prompt, enqueues its 32
+    pages) and, once it finished with no copy in flight, the call that releases it."""
+    pool, alloc, off = Pool(n, 600), Allocator(), Offloader()
+    mgr = make(pool, alloc, 16, off)
+    reqs = [Req(f"r{i}", list(range(512)), i) for i in range(n)]
+    for r in reqs:
+        r.output_ids.append(1)
+        r.kv.kv_committed_len += 1
+        r.kv.kv_allocated_len += 1
+    t0 = CLOCK()
+    for r in reqs:
+        mgr.offload_kv_cache(r)
+    t1 = CLOCK()
+    mgr.check_offload_progress()
+    mgr.check_offload_progress()
+    t2 = CLOCK()
+    for r in reqs:
+        r._done = True
+        if not mgr.offload_kv_cache(r):
+            mgr.finalize_release_on_finish(r)
+    t3 = CLOCK()
+    assert alloc.freed == n * 513, alloc.freed
+    return (t1 - t0) / n * 1e6, (t3 - t2) / n * 1e6
+
+
+def per_operation(repeats=3):
+    """Median per-operation times, lifecycle and plain dict interleaved."""
+    plain = IMPLS["plain dict"]
+    rows = {k: ([], []) for k in ("fast path (no new chunk)", "one chunk (offload + land + store settle)",
+                                  "first sight (512-token prompt)", "release (finished, nothing in flight)")}
+    for _ in range(repeats):
+        for i, make in enumerate((_lifecycle, plain)):
+            gc.collect()
+            first, release = first_sight_release_us(make=make)
+            got = (fast_path_us(make=make), per_chunk_us(make=make), first, release)
+            for (_, pair), value in zip(rows.items(), got):
+                pair[i].append(value)
+    print(f"{'per operation (us, median of ' + str(repeats) + ')':44} {'lifecycle':>9} {'plain dict':>10} {'extra':>7}")
+    for name, (ours, base) in rows.items():
+        a, b = statistics.median(ours), statistics.median(base)
+        print(f"{name:44} {a:9.3f} {b:10.3f} {a - b:7.3f}")
 
 
 def bytes_per_request(n=10_000):
@@ -273,8 +321,7 @@ def main():
     for name, t in med.items():
         print(f"{name:26} {t * 1e3:9.1f} {t / calls * 1e6:8.2f} {t / base:13.2f}x")
     print(f"lifecycle vs as-written: {med['lifecycle (transitions)'] / med['as written (SGLang)']:.2f}x")
-    print(f"fast path (no new chunk): {fast_path_us():.3f} us/call")
-    print(f"one chunk (offload + land + store settle): {per_chunk_us():.2f} us")
+    per_operation()
     per_req, gc_ms = bytes_per_request()
     print(f"bookkeeping per live request at 10k requests: {per_req:.0f} bytes; full gc.collect(): {gc_ms:.1f} ms")
 
