@@ -134,10 +134,10 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     """
     row_id, committed, allocated = view
     ranges = release_ranges(committed, allocated, mgr._alloc_page)
-    slots, ascending = _row_slots(mgr.req_to_token_pool.req_to_token, row_id, ranges)
+    slots, lowest = _row_slots(mgr.req_to_token_pool.req_to_token, row_id, ranges)
     n_quarantined = 0
     if slots.numel():
-        unique, lowest = (slots, int(slots[0])) if ascending else _sorted_unique(slots)
+        unique, lowest = (slots, lowest) if lowest is not None else _sorted_unique(slots)
         if lowest < 0:
             pos = int((slots < 0).nonzero()[0])
             raise InvalidRequest(
@@ -162,20 +162,22 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> tuple[torch.Tensor, bool]:
-    """The int64 slot ids of ``table[row_id]`` over ``ranges`` (a fresh tensor), and whether they
-    ascend strictly. On the CPU through NumPy (one copy-convert, one comparison pass: a few
-    NumPy calls instead of several torch ops); elsewhere through torch, ascent not checked (False)."""
+def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> tuple[torch.Tensor, int | None]:
+    """The int64 slot ids of ``table[row_id]`` over ``ranges`` (a fresh tensor), and their lowest
+    id when they ascend strictly (else None: not known sorted and unique). On the CPU through NumPy
+    (one copy-convert, one comparison pass: a few NumPy calls instead of several torch ops);
+    elsewhere through torch, ascent not checked (None)."""
     if not ranges:
-        return _EMPTY, False
+        return _EMPTY, None
     if table.device.type == "cpu" and not table.requires_grad:
         row = table.numpy()[row_id]
         a = (row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
              else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64)
-        return torch.from_numpy(a), bool((a[1:] > a[:-1]).all())
+        ascending = len(a) and (a[1:] > a[:-1]).all()
+        return torch.from_numpy(a), int(a[0]) if ascending else None
     row = table[row_id]
     parts = [row[s:e] for s, e in ranges]
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64), False
+    return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64), None
 
 
 def _sorted_unique(slots: torch.Tensor) -> tuple[torch.Tensor, int]:
