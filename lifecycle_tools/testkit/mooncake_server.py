@@ -136,8 +136,8 @@ class MooncakeMaster(_Process):
         return self.start()
 
 
-def listening_ports(pid: int) -> set[int]:
-    """The TCP ports process ``pid`` listens on (Linux /proc)."""
+def socket_inodes(pid: int) -> set[str]:
+    """The inodes of the sockets process ``pid`` holds open (Linux /proc)."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -146,6 +146,12 @@ def listening_ports(pid: int) -> set[int]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
+    return inodes
+
+
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (Linux /proc)."""
+    inodes = socket_inodes(pid)
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:

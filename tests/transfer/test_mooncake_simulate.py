@@ -5,12 +5,11 @@ and the master killed mid-run — the run still finishes with its report and exi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 
-from lifecycle_tools.testkit.mooncake_server import make_mooncake  # noqa: F401 (fixture)
+from lifecycle_tools.testkit.mooncake_server import make_mooncake, socket_inodes  # noqa: F401 (fixture)
 
 # The host pool holds more pages than the run can use at once (every page it offloads plus its rows'
 # longest prompts), so no prefix load is ever cut to the free host pages (``prefix_pages_unstaged``):
@@ -27,14 +26,7 @@ def simulate(spec: str, out, *flags) -> subprocess.Popen:
 
 def connected_to(pid: int, port: int) -> bool:
     """Whether process ``pid`` holds an established TCP connection to port ``port`` (Linux /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
+    inodes = socket_inodes(pid)
     with open("/proc/net/tcp") as f:
         rows = [line.split() for line in f.readlines()[1:]]
     return any(r[2].endswith(f":{port:04X}") and r[3] == "01" and r[9] in inodes for r in rows)

@@ -68,9 +68,8 @@ class LayeredChunkCopy:
         """Device -> host (on CUDA: launched on the current stream, asynchronous)."""
         if self.cuda:
             staging = self._staging()
-            for k, per_layer in enumerate(self.dev):
-                for layer, buf in enumerate(per_layer):
-                    staging[:, k, :, layer].copy_(self._pages(buf.index_select(0, self.index), self.n_pages))
+            for k, layer, buf in self._buffers():
+                staging[:, k, :, layer].copy_(self._pages(buf.index_select(0, self.index), self.n_pages))
             for pos, first, length in self.runs:
                 self.host_words[first:first + length].copy_(staging[pos:pos + length], non_blocking=True)
             self.staging = staging  # alive until the copy's event fires
@@ -78,15 +77,19 @@ class LayeredChunkCopy:
         if self.gather:
             for pos, first, n in self.runs:
                 rows = self.index[pos * self.ps:(pos + n) * self.ps]
-                for k, per_layer in enumerate(self.dev):
-                    for layer, buf in enumerate(per_layer):
-                        self.host_words[first:first + n, k, :, layer].copy_(self._pages(buf.index_select(0, rows), n))
+                for k, layer, buf in self._buffers():
+                    self.host_words[first:first + n, k, :, layer].copy_(self._pages(buf.index_select(0, rows), n))
             return
         for dev, host, n in self.block_runs:
-            for k, per_layer in enumerate(self.dev):
-                for layer, buf in enumerate(per_layer):
-                    self.host_words[host:host + n, k, :, layer].copy_(
-                        self._pages(buf[dev:dev + n * self.ps], n))
+            for k, layer, buf in self._buffers():
+                self.host_words[host:host + n, k, :, layer].copy_(
+                    self._pages(buf[dev:dev + n * self.ps], n))
+
+    def _buffers(self):
+        """Every device buffer with its kind (K/V or latent) and layer index."""
+        for k, per_layer in enumerate(self.dev):
+            for layer, buf in enumerate(per_layer):
+                yield k, layer, buf
 
     def _staging(self) -> torch.Tensor:
         """A device buffer in the host pages' layout for this chunk (CUDA path)."""
@@ -102,24 +105,21 @@ class LayeredChunkCopy:
             for pos, first, length in self.runs:
                 staging[pos:pos + length].copy_(self.host_words[first:first + length], non_blocking=True)
             n = self.n_pages * self.ps
-            for k, per_layer in enumerate(self.dev):
-                for layer, buf in enumerate(per_layer):
-                    rows = staging[:, k, :, layer].reshape(n, kv.heads, kv.head_dim)
-                    buf.index_copy_(0, self.index, rows)
+            for k, layer, buf in self._buffers():
+                rows = staging[:, k, :, layer].reshape(n, kv.heads, kv.head_dim)
+                buf.index_copy_(0, self.index, rows)
             self.staging = staging
             return
         if self.gather:
             for pos, first, n in self.runs:
                 rows = self.index[pos * self.ps:(pos + n) * self.ps]
-                for k, per_layer in enumerate(self.dev):
-                    for layer, buf in enumerate(per_layer):
-                        part = self.host_words[first:first + n, k, :, layer]
-                        buf.index_copy_(0, rows, part.reshape(n * self.ps, kv.heads, kv.head_dim))
+                for k, layer, buf in self._buffers():
+                    part = self.host_words[first:first + n, k, :, layer]
+                    buf.index_copy_(0, rows, part.reshape(n * self.ps, kv.heads, kv.head_dim))
             return
         for dev, host, n in self.block_runs:
-            for k, per_layer in enumerate(self.dev):
-                for layer, buf in enumerate(per_layer):
-                    self._pages(buf[dev:dev + n * self.ps], n).copy_(self.host_words[host:host + n, k, :, layer])
+            for k, layer, buf in self._buffers():
+                self._pages(buf[dev:dev + n * self.ps], n).copy_(self.host_words[host:host + n, k, :, layer])
 
 
 def _block_runs(dev_starts: list[int], host_pages: list[int], page_size: int) -> list[tuple[int, int, int]]:
