@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from lifecycle_tools.testkit.redis_server import free_port
+from tests.support.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 90
@@ -25,23 +25,8 @@ def ranks(tmp_path_factory):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("KV_LIFECYCLE_AUDIT_DIR", None)
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.integrations.sglang_tp_worker", str(r), str(port),
-                               str(store), str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for r in (0, 1)]
-    logs = []
-    try:
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=TIMEOUT_S)[0].decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"a TP rank did not finish within {TIMEOUT_S}s (collectives out of step?)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    run_ranks([[sys.executable, "-m", "tests.integrations.sglang_tp_worker", str(r), str(port), str(store), str(out)]
+               for r in (0, 1)], cwd=ROOT, env=env, timeout_s=TIMEOUT_S, hint=" (collectives out of step?)")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], store
 
 
