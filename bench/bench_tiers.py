@@ -37,11 +37,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+from transfer.storage.identity import DeploymentIdentity  # noqa: E402
 from transfer.storage.spec import open_storage  # noqa: E402
 
 BATCH = 32  # pages per batch call
 SIZES = [64 << 10, 1 << 20]
-SUFFIX = "_bench_0_1"
+IDENTITY = DeploymentIdentity(model_name="bench")  # suffix _bench_0_1; Mooncake objects bench_{hash}_0_k/_v
 
 
 def keys_for(tag: str, n: int) -> list[str]:
@@ -74,7 +75,7 @@ def worker(spec: str, nbytes: int, n: int, tag: str, mode: str) -> None:
     """Child process: ``write`` pages under ``tag`` and exit; or ``setget``: say ``ready``, wait for a
     line on stdin, write then read back, print the timings, and stay (its segment holds others'
     objects) until stdin closes."""
-    store = open_storage(spec, SUFFIX, nbytes)
+    store = open_storage(spec, page_nbytes=nbytes, identity=IDENTITY)
     try:
         pool, keys = make_pages(nbytes, n, hash(tag) & 0xFFFF), keys_for(tag, n)
         if mode == "setget":
@@ -198,8 +199,8 @@ def one_rep(tiers: Tiers, stores: dict, nbytes: int, n: int, rep: int) -> dict[s
 
 
 def tier_table(tiers: Tiers, reps: int, total: int) -> None:
-    stores = {name: open_storage(spec, SUFFIX, None) for name, spec in tiers.same.items()}
-    stores.update({"cross:" + name: open_storage(spec, SUFFIX, None) for name, spec in tiers.cross.items()})
+    stores = {name: open_storage(spec, identity=IDENTITY) for name, spec in tiers.same.items()}
+    stores.update({"cross:" + name: open_storage(spec, identity=IDENTITY) for name, spec in tiers.cross.items()})
     stores["mooncake (bare client)"] = RawMooncake(tiers.master.address)
     try:
         print(f"\nTable 1: {total >> 20} MiB per tier per repetition, batches of {BATCH} pages, median of {reps} "

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-import hashing
 from transfer.allocator import PagedTokenAllocator
 from transfer.host_offloader import HostOffloader
 from transfer.host_pool import HostPool
@@ -17,10 +16,11 @@ from transfer.prefix import PrefixLoader
 from transfer.req_pool import ReqToTokenPool
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
 from transfer.storage.base import Storage
+from transfer.storage.identity import DeploymentIdentity
 from transfer.storage.integrity import PageFormat
 from transfer.storage.spec import open_storage
 
-HOST_LAYOUT = "page_first"  # SGLang's default host layout; recorded in every page's seal
+HOST_LAYOUT = "page_first"  # our host pool's layout (SGLang's default); a tier may store another
 
 
 @dataclass
@@ -34,6 +34,7 @@ class TransferStack:
     storage: Storage
     offloader: HostOffloader
     prefix_loader: PrefixLoader
+    identity: DeploymentIdentity | None = None
 
     def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT_S) -> CloseReport:
         """Drain and stop the workers, then release the storage backend, waiting at most
@@ -82,6 +83,8 @@ def build_stack(
     attn_cp_size: int = 1,
     storage_require_checksum: bool = False,
     lookup_timeout_s: float | None = 0.05,
+    backend_tag: str | None = None,
+    host_layout: str = HOST_LAYOUT,
 ) -> TransferStack:
     """Build a stack.
 
@@ -94,28 +97,33 @@ def build_stack(
         storage: "memory", "file:DIR", "redis://HOST:PORT/DB" (Redis or Valkey), or a ready ``Storage``.
         device: "cpu" or "cuda".
         mla: latent-only KV.
-        model_name, tp_rank, tp_size, pp_rank, pp_size, attn_cp_rank, attn_cp_size: name pages as
-            SGLang does (``hashing.storage_suffix``).
+        model_name, tp_rank, tp_size, pp_rank, pp_size, attn_cp_rank, attn_cp_size, backend_tag,
+            host_layout: the deployment identity (``TransferStack.identity``) every built tier names
+            its pages from as SGLang does: file suffix, Mooncake objects, Redis keys.
+            ``host_layout`` (``page_first``, ``page_first_direct``, ``page_head``) is the byte
+            order pages are stored in, recorded in their seals.
         storage_capacity_bytes: LRU bound for a built backend.
         storage_ttl_s: page expiry for a Redis backend (None: never).
         storage_require_checksum: strict mode: a stored page without a seal is a miss.
         lookup_timeout_s: the prefix loader's deadline on a storage lookup (``PrefixLoader``).
-    A built backend seals every page with ``page_format(...)``: layout ``page_first``, the KV
-    dtype and the host page shape.
+    A built backend seals every page with its format: the stored layout, the KV dtype and the
+    page shape in that layout (``page_format(...)`` for ``page_first``).
     Raises:
-        ValueError: bad sizes or an unknown storage spec. StorageUnavailable: unwritable dir, or
-        an unreachable Redis server.
+        ValueError: bad sizes or an unknown storage spec. StorageConfigError (a ValueError): a
+        deployment a tier cannot name or lay out as SGLang does. StorageUnavailable: unwritable
+        dir, or an unreachable server.
     """
+    identity = DeploymentIdentity(model_name=model_name, backend_tag=backend_tag, tp_rank=tp_rank, tp_size=tp_size,
+                                  pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=attn_cp_rank,
+                                  attn_cp_size=attn_cp_size, mla=mla, layout=host_layout)
     kv = KVPool(layers, heads, head_dim, dtype, device_tokens + page_size, device=device, mla=mla)
     host = HostPool(layers, heads, head_dim, dtype, page_size, host_tokens, mla=mla)
     if isinstance(storage, Storage):
         store = storage
     else:
-        suffix = hashing.storage_suffix(model_name, tp_rank, tp_size, is_mla=mla, pp_rank=pp_rank,
-                                        pp_size=pp_size, attn_cp_rank=attn_cp_rank, attn_cp_size=attn_cp_size)
-        store = open_storage(storage, suffix, host.page_nbytes, capacity_bytes=storage_capacity_bytes,
-                             ttl_s=storage_ttl_s, page_format=page_format(host),
-                             require_checksum=storage_require_checksum)
+        store = open_storage(storage, page_nbytes=host.page_nbytes, identity=identity,
+                             capacity_bytes=storage_capacity_bytes, ttl_s=storage_ttl_s,
+                             page_format=page_format(host), require_checksum=storage_require_checksum)
     allocator = PagedTokenAllocator(device_tokens, page_size)
     return TransferStack(
         kv_pool=kv,
@@ -125,6 +133,7 @@ def build_stack(
         storage=store,
         offloader=HostOffloader(kv, host, store),
         prefix_loader=PrefixLoader(kv, allocator, host, store, lookup_timeout_s=lookup_timeout_s),
+        identity=identity,
     )
 
 

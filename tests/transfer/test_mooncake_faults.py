@@ -16,6 +16,10 @@ from tests.transfer.test_mooncake_storage import MHA, NB, fresh_hashes, pages
 from transfer import open_storage
 from transfer.errors import StorageUnavailable
 from transfer.storage.breaker import BreakerState
+from transfer.storage.identity import DeploymentIdentity
+
+M0 = DeploymentIdentity(model_name="m")  # rank 0 of 1
+M1 = DeploymentIdentity(model_name="m", tp_rank=1, tp_size=2)
 
 
 def wait_for(cond, timeout: float, step: float = 0.1):
@@ -44,7 +48,7 @@ def timed(fn):
 
 def test_master_killed_then_restarted_empty(make_mooncake):
     master = make_mooncake()
-    s = open_storage(master.spec(), "_m_0_1", NB, page_format=MHA)
+    s = open_storage(master.spec(), page_nbytes=NB, identity=M0, page_format=MHA)
     try:
         old, new = fresh_hashes(2), fresh_hashes(2)
         pool = pages(4)
@@ -77,7 +81,7 @@ def test_master_absent_at_setup_lazy_connects_later(make_mooncake):
     from lifecycle_tools.testkit.mooncake_server import MooncakeMaster, mooncake_dir
 
     master = MooncakeMaster(mooncake_dir())  # ports chosen, not started
-    s, took = timed(lambda: open_storage(master.spec(lazy=1), "_m_0_1", NB, page_format=MHA))
+    s, took = timed(lambda: open_storage(master.spec(lazy=1), page_nbytes=NB, identity=M0, page_format=MHA))
     try:
         assert took < 1.0 and not s.connected
         h = fresh_hashes(1)
@@ -107,7 +111,7 @@ def test_setup_against_a_silent_port_is_bounded():
         port = listener.getsockname()[1]
         t = time.monotonic()
         with pytest.raises(StorageUnavailable, match="setup"):
-            open_storage(f"mooncake://127.0.0.1:{port}?setup_timeout_s=1", "_m_0_1", NB)
+            open_storage(f"mooncake://127.0.0.1:{port}?setup_timeout_s=1", page_nbytes=NB, identity=M0)
         assert time.monotonic() - t < 5.0  # Mooncake's setup holds the GIL: bounded by its RPC timeout
 
 
@@ -120,8 +124,9 @@ def on_holder(store, names, holder) -> list[bool]:
 def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_mooncake):
     master = make_mooncake(client_ttl_s=2)
     h1, h2 = make_mooncake.holder(master), make_mooncake.holder(master)
-    one = open_storage(master.spec(global_segment_size=0), "_m_0_1", NB, page_format=MHA)  # objects on holders
-    two = open_storage(master.spec(global_segment_size=0, replica_num=2), "_m_1_2", NB, page_format=MHA)
+    # objects on holders
+    one = open_storage(master.spec(global_segment_size=0), page_nbytes=NB, identity=M0, page_format=MHA)
+    two = open_storage(master.spec(global_segment_size=0, replica_num=2), page_nbytes=NB, identity=M1, page_format=MHA)
     try:
         n = 8
         keys1, keys2 = fresh_hashes(n), fresh_hashes(n)
@@ -166,7 +171,7 @@ def test_holder_of_the_only_replica_killed_then_two_replicas_survive(make_moonca
 def test_preferred_local_segment_keeps_pages_when_another_holder_dies(make_mooncake):
     master = make_mooncake()
     holder = make_mooncake.holder(master)
-    s = open_storage(master.spec(preferred_segment="local"), "_m_0_1", NB, page_format=MHA)
+    s = open_storage(master.spec(preferred_segment="local"), page_nbytes=NB, identity=M0, page_format=MHA)
     try:
         keys, pool = fresh_hashes(16), pages(16)
         assert s.batch_set(keys, list(pool)) == [True] * 16
@@ -183,7 +188,7 @@ def test_preferred_local_segment_keeps_pages_when_another_holder_dies(make_moonc
 
 def test_a_full_store_refuses_pages_and_never_leaves_one_without_its_seal(make_mooncake):
     master = make_mooncake()
-    s = open_storage(master.spec(global_segment_size="16MiB"), "_m_0_1", None)  # the only segment
+    s = open_storage(master.spec(global_segment_size="16MiB"), page_nbytes=None, identity=M0)  # the only segment
     try:
         nb = 256 << 10
         n = (32 << 20) // nb  # twice what fits

@@ -24,11 +24,14 @@ from transfer.errors import InvalidKey, PageSizeMismatch, StorageConfigError, St
 from transfer.storage.integrity import PageFormat
 from transfer.storage.mooncake import MooncakeStorage
 from transfer.storage.mooncake_conn import EXTRA_HINT, import_store, parse_size, parse_spec
-from transfer.storage.mooncake_keys import MooncakeNaming, naming_from_suffix
+from transfer.storage.identity import DeploymentIdentity
+from transfer.storage.mooncake_keys import MooncakeNaming
 
 PS, LAYERS, HEADS, DIM = 4, 2, 2, 8
 MHA = PageFormat.of("page_first", torch.bfloat16, (2, PS, LAYERS, HEADS, DIM))
 NB = 2 * PS * LAYERS * HEADS * DIM * 2  # bytes of one MHA bf16 page
+TINY = DeploymentIdentity(model_name="org/tiny", tp_rank=1, tp_size=2)  # the module store's deployment
+M = DeploymentIdentity(model_name="m")
 _counter = itertools.count()
 
 
@@ -75,7 +78,7 @@ def raw(module_master):
 
 @pytest.fixture(scope="module")
 def shared_store(module_master):
-    s = open_storage(module_master.spec(), "_org-tiny_1_2", NB, page_format=MHA)
+    s = open_storage(module_master.spec(), page_nbytes=NB, identity=TINY, page_format=MHA)
     yield s
     s.close()
 
@@ -110,10 +113,12 @@ def test_object_names_follow_sglang_rules(model, tp, mla, pp, pps):
     assert naming.seal_object(h).endswith("_kvlp") and naming.seal_object(h) not in naming.objects(h)
 
 
-def test_naming_from_the_stack_suffix():
-    assert naming_from_suffix("_org-tiny_1_2", mla=False) == MooncakeNaming("org-tiny", 1)
-    assert naming_from_suffix("_org-tiny", mla=True) == MooncakeNaming("org-tiny", mla=True)
-    assert naming_from_suffix("", mla=False) == MooncakeNaming()
+def test_naming_is_built_from_the_identity_never_from_a_suffix_string():
+    assert MooncakeNaming.of(TINY) == MooncakeNaming("org/tiny", 1)
+    pp = DeploymentIdentity(model_name="org/m", tp_rank=0, tp_size=2, pp_rank=1, pp_size=2, mla=True)
+    assert MooncakeNaming.of(pp) == MooncakeNaming("org/m", 0, 1, 2, mla=True)
+    with pytest.raises(StorageConfigError, match="identity"):  # a suffix string is never parsed back
+        open_storage("mooncake://127.0.0.1:1", "_org-tiny_1_2", NB)
 
 
 def test_our_pages_are_sglang_objects_and_sglang_reads_them(store, raw):
@@ -134,8 +139,8 @@ def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(store, mod
     page = pages(1, seed=5)[0]
     half = NB // 2
     names = sglang_keys(h, "org/tiny", 1, mla=False)  # what SGLang's tp rank 1 writes
-    strict = open_storage(module_master.spec(require_checksum=1, global_segment_size=0), "_org-tiny_1_2", NB,
-                          page_format=MHA)  # no segment: a client closes 1 s faster without one
+    strict = open_storage(module_master.spec(require_checksum=1, global_segment_size=0), page_nbytes=NB,
+                          identity=TINY, page_format=MHA)  # no segment: a client closes 1 s faster without one
     raw.register_buffer(page.data_ptr(), NB)
     try:
         assert raw.batch_put_from(names, [page.data_ptr(), page.data_ptr() + half], [half, half]) == [0, 0]
@@ -153,7 +158,8 @@ def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(store, mod
 def test_mla_pages_are_one_object(mooncake_master, raw):
     fmt = PageFormat.of("page_first", torch.bfloat16, (PS, LAYERS, 1, 16))
     nb = PS * LAYERS * 16 * 2
-    s = open_storage(mooncake_master.spec(), "_org-tiny", nb, page_format=fmt)
+    s = open_storage(mooncake_master.spec(), page_nbytes=nb, identity=DeploymentIdentity(model_name="org/tiny", mla=True),
+                     page_format=fmt)
     try:
         assert s.naming.mla
         h = fresh_hashes(1)[0]
@@ -209,7 +215,7 @@ def test_renamed_and_foreign_format_pages_are_misses(store, raw, mooncake_master
     buf = torch.zeros(NB, dtype=torch.uint8)
     assert store.batch_get([b], [buf]) == [False] and store.stats().foreign == 1
     # the same bytes written by a deployment of another dtype under the same names
-    fp16 = open_storage(mooncake_master.spec(global_segment_size=0), "_org-tiny_1_2", NB,
+    fp16 = open_storage(mooncake_master.spec(global_segment_size=0), page_nbytes=NB, identity=TINY,
                         page_format=PageFormat.of("page_first", torch.float16, MHA.shape))
     try:
         c = fresh_hashes(1)[0]
@@ -232,13 +238,13 @@ def test_an_object_of_another_size_is_a_miss(store, raw):
 # --- specs and bad input --------------------------------------------------------------------------
 
 def test_spec_parsing():
-    s = parse_spec("mooncake://127.0.0.1:5000?replica_num=2&global_segment_size=1GiB&lazy=1&model=org/m")
-    assert (s.master, s.replica_num, s.global_segment_size, s.lazy, s.model) == ("127.0.0.1:5000", 2, 1 << 30, True,
-                                                                                "org/m")
+    s = parse_spec("mooncake://127.0.0.1:5000?replica_num=2&global_segment_size=1GiB&lazy=1")
+    assert (s.master, s.replica_num, s.global_segment_size, s.lazy) == ("127.0.0.1:5000", 2, 1 << 30, True)
     assert parse_spec("mooncake://[::1]:7").master == "[::1]:7" and parse_size("64MB") == 64 << 20
     for bad in ("mooncake://127.0.0.1", "mooncake://h:1?bogus=1", "mooncake://h:1?replica_num=0",
                 "mooncake://h:1?global_segment_size=lots", "mooncake://h:1/x", "mooncake://h:1?lazy=maybe",
-                "mooncake://h:1?protocol=udp", "mooncake://h:1?exists_timeout_s=-1"):
+                "mooncake://h:1?protocol=udp", "mooncake://h:1?exists_timeout_s=-1",
+                "mooncake://h:1?model=org/m"):  # identity options belong to open_storage
         with pytest.raises(StorageConfigError):
             parse_spec(bad)
 
@@ -248,7 +254,7 @@ def test_nothing_listening_is_a_fast_one_line_error():
     spec = f"mooncake://127.0.0.1:{free_port()}"
     t = time.monotonic()
     with pytest.raises(StorageUnavailable) as err:
-        open_storage(spec, "_m_0_1", NB)
+        open_storage(spec, page_nbytes=NB, identity=M)
     assert time.monotonic() - t < 2.0
     assert "\n" not in str(err.value) and "unreachable" in str(err.value) and spec[len("mooncake://"):] in str(err.value)
 
@@ -256,7 +262,7 @@ def test_nothing_listening_is_a_fast_one_line_error():
 def test_missing_extra_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails as without the wheel
     with pytest.raises(StorageUnavailable, match=r"kv-lifecycle\[mooncake\]") as err:
-        open_storage("mooncake://127.0.0.1:1", "_m_0_1", NB)
+        open_storage("mooncake://127.0.0.1:1", page_nbytes=NB, identity=M)
     assert EXTRA_HINT in str(err.value)
 
 

@@ -32,14 +32,15 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 import torch
 
-from transfer.errors import StorageUnavailable
+from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.log import get_logger
 from transfer.storage import mooncake_conn as conn
 from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import SEAL_NBYTES, PageFormat, Verdict, check_keys, seal, verify
 from transfer.storage.mooncake_session import ClientSession, tracked
-from transfer.storage.mooncake_keys import MooncakeNaming, naming_from_suffix
+from transfer.storage.identity import DeploymentIdentity
+from transfer.storage.mooncake_keys import MooncakeNaming
 
 log = get_logger(__name__)
 _SLOT = 128  # bytes per seal in a batch's seal buffer (>= SEAL_NBYTES)
@@ -58,17 +59,19 @@ class MooncakeStorage(ClientSession, Storage):
 
     Args:
         settings: ``mooncake_conn.MooncakeSettings`` (``parse_spec`` of a ``mooncake://`` URL).
-        suffix: the deployment suffix (``hashing.storage_suffix``): gives the model name and tp
-            rank of the object names unless the settings name them.
+        suffix: must be '' or the identity's file suffix: object names come from ``identity``,
+            never from parsing a suffix.
         page_nbytes: required page size.
-        page_format: what the pages are (recorded in seals, checked on read); a ``page_first``
-            format of 4 dims ``(page_size, layers, 1, width)`` means MLA (one object per page).
-            None: each page's own dtype and shape, layout ``raw``.
+        identity: the deployment identity the object names are built from
+            (``MooncakeNaming.of``). None: SGLang's unnamed deployment (no model, tp rank 0), MLA
+            when ``page_format`` has the 4 dims of an MLA page.
+        page_format: what the pages are (recorded in seals, checked on read); None: each page's
+            own dtype and shape, layout ``raw``.
         require_checksum: a page without a seal is a miss (also the ``require_checksum`` option).
     Raises:
         StorageUnavailable: the extra is missing; or (unless ``lazy``) the master is unreachable or
             setup did not finish in time — in bounded time, one line naming the master.
-        StorageConfigError: bad settings.
+        StorageConfigError: bad settings; a suffix that is not the identity's.
 
     Failure behaviour: every operation checks the client's health flag (instant) and a
     ``CircuitBreaker``; while the master is away ``batch_get`` misses and ``batch_exists``,
@@ -85,19 +88,19 @@ class MooncakeStorage(ClientSession, Storage):
     READ_RETRIES = 2
 
     def __init__(self, settings: conn.MooncakeSettings, suffix: str = "", page_nbytes: int | None = None,
-                 *, page_format: PageFormat | None = None, require_checksum: bool = False) -> None:
+                 *, identity: DeploymentIdentity | None = None, page_format: PageFormat | None = None,
+                 require_checksum: bool = False) -> None:
         conn.import_store()
         if require_checksum and not settings.require_checksum:
             settings = msgspec.structs.replace(settings, require_checksum=True)
-        self.settings, self.suffix, self.page_nbytes = settings, suffix, page_nbytes
-        mla = settings.mla if settings.mla is not None else bool(
-            page_format is not None and page_format.layout == "page_first" and len(page_format.shape) == 4)
-        implied = naming_from_suffix(suffix, mla)
-        self.naming = MooncakeNaming(
-            model_name=settings.model if settings.model is not None else implied.model_name,
-            tp_rank=settings.tp_rank if settings.tp_rank is not None else implied.tp_rank,
-            pp_rank=settings.pp_rank or 0, pp_size=settings.pp_size or 1, mla=mla,
-            backend_tag=settings.backend_tag)
+        if identity is None:
+            identity = DeploymentIdentity(mla=page_format is not None and len(page_format.shape) == 4)
+        if suffix and suffix != identity.file_suffix:
+            raise StorageConfigError(f"mooncake objects are named from the deployment identity ({identity.describe()}), "
+                                     f"not from the suffix {suffix!r}")
+        self.settings, self.identity, self.page_nbytes = settings, identity, page_nbytes
+        self.suffix = identity.file_suffix
+        self.naming = MooncakeNaming.of(identity)
         self.page_format = page_format
         self.url = f"mooncake://{settings.master}"
         self.breaker = CircuitBreaker(self.url)

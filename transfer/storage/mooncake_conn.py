@@ -24,6 +24,7 @@ from urllib.parse import parse_qsl, urlsplit
 import msgspec
 
 from transfer.errors import StorageConfigError, StorageUnavailable
+from transfer.storage.identity import IDENTITY_OPTIONS
 from transfer.log import get_logger
 
 log = get_logger(__name__)
@@ -83,8 +84,10 @@ class MooncakeSettings(msgspec.Struct, frozen=True):
         lazy: do not fail at open when the master is away; connect in the background.
         require_checksum: a page without our seal (written by SGLang) is a miss.
         seal: write a seal object per page (False: pure SGLang objects, nothing else).
-        model, tp_rank, pp_rank, pp_size, mla, backend_tag: key naming (``MooncakeNaming``);
-            None: taken from the storage suffix and page format.
+
+    Object names come from the deployment identity (``transfer.storage.identity``), not from
+    these settings: ``open_storage`` takes the identity options of a URL (``model``, ``tp_rank``,
+    ...) off before the rest is parsed here.
     """
 
     master: str
@@ -102,12 +105,6 @@ class MooncakeSettings(msgspec.Struct, frozen=True):
     lazy: bool = False
     require_checksum: bool = False
     seal: bool = True
-    model: str | None = None
-    tp_rank: int | None = None
-    pp_rank: int | None = None
-    pp_size: int | None = None
-    mla: bool | None = None
-    backend_tag: str | None = None
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -123,10 +120,10 @@ class MooncakeSettings(msgspec.Struct, frozen=True):
 
 
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-_INT = {"replica_num", "tp_rank", "pp_rank", "pp_size"}
+_INT = {"replica_num"}
 _FLOAT = {"connect_timeout_s", "setup_timeout_s", "exists_timeout_s"}
 _SIZES = {"global_segment_size", "local_buffer_size"}
-_BOOLS = {"lazy", "require_checksum", "seal", "mla"}
+_BOOLS = {"lazy", "require_checksum", "seal"}
 
 
 def parse_spec(spec: str, **overrides) -> MooncakeSettings:
@@ -148,6 +145,9 @@ def parse_spec(spec: str, **overrides) -> MooncakeSettings:
     fields: dict = {"master": f"{host}:{port}"}
     known = set(MooncakeSettings.__struct_fields__) - {"master"}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name in IDENTITY_OPTIONS:
+            raise StorageConfigError(f"mooncake option {name!r} is part of the deployment identity: give it to "
+                                     "open_storage (the URL) or as identity=, not to parse_spec")
         if name not in known:
             raise StorageConfigError(f"unknown mooncake option {name!r} (known: {', '.join(sorted(known))})")
         fields[name] = _convert(name, value)

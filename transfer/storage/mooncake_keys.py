@@ -20,6 +20,13 @@ page. MLA's object is the whole page ``[page_size, layers, 1, width]``.
 
 Our only addition is one small object per page, ``f"{base}_{rank_suffix}_kvlp"`` (the seal; see
 ``transfer.storage.mooncake``), which SGLang never reads: ``_kvlp`` is not a suffix SGLang uses.
+
+The naming is built from the deployment identity (``MooncakeNaming.of``), never parsed back from a
+suffix string. SGLang leaves the attention context-parallel rank out of its object names, so CP
+ranks share names (first writer wins, as in SGLang); our seal binds the CP rank into the name it
+verifies (``page_name``), so a CP rank never serves a page another CP rank wrote. Other host layouts
+(``page_first_direct``, ``page_head``) keep the same names and change the bytes of each block
+(``transfer.storage.layout``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import msgspec
 
 from transfer.errors import StorageConfigError
+from transfer.storage.identity import DeploymentIdentity
 
 SEAL_SUFFIX = "kvlp"
 
@@ -39,6 +47,8 @@ class MooncakeNaming(msgspec.Struct, frozen=True):
         tp_rank, pp_rank, pp_size: this rank's place (``pp_size > 1`` adds ``pp_rank``).
         mla: one latent object per page instead of K and V.
         backend_tag: SGLang's ``extra_backend_tag`` (None: not set).
+        attn_cp_rank, attn_cp_size: not in the object names (SGLang leaves them out); bound into
+            the name the seal verifies when ``attn_cp_size > 1``.
     """
 
     model_name: str = ""
@@ -47,11 +57,24 @@ class MooncakeNaming(msgspec.Struct, frozen=True):
     pp_size: int = 1
     mla: bool = False
     backend_tag: str | None = None
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
+
+    @classmethod
+    def of(cls, identity: DeploymentIdentity) -> "MooncakeNaming":
+        """SGLang's ``MooncakeStore`` naming for ``identity`` (its ``HiCacheStorageConfig`` fields
+        ``model_name``, ``tp_rank``, ``pp_rank``, ``pp_size``, ``is_mla_model`` and the
+        ``extra_backend_tag`` of its extra config)."""
+        return cls(model_name=identity.model_name, tp_rank=identity.tp_rank, pp_rank=identity.pp_rank,
+                   pp_size=identity.pp_size, mla=identity.mla, backend_tag=identity.backend_tag,
+                   attn_cp_rank=identity.attn_cp_rank, attn_cp_size=identity.attn_cp_size)
 
     def __post_init__(self) -> None:
-        if self.tp_rank < 0 or self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size:
+        if self.tp_rank < 0 or self.pp_size < 1 or not 0 <= self.pp_rank < self.pp_size \
+                or self.attn_cp_size < 1 or not 0 <= self.attn_cp_rank < self.attn_cp_size:
             raise StorageConfigError(
-                f"bad ranks: tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, pp_size={self.pp_size}")
+                f"bad ranks: tp_rank={self.tp_rank}, pp_rank={self.pp_rank}, pp_size={self.pp_size}, "
+                f"attn_cp_rank={self.attn_cp_rank}, attn_cp_size={self.attn_cp_size}")
         for text in (self.model_name, self.backend_tag or ""):
             if any(c.isspace() or ord(c) < 32 for c in text):
                 raise StorageConfigError(f"model name / backend tag must not hold whitespace: {text!r}")
@@ -81,31 +104,22 @@ class MooncakeNaming(msgspec.Struct, frozen=True):
         prefix = self.prefix
         return page_hash if prefix is None else f"{prefix}_{page_hash}"
 
-    def page_name(self, page_hash: str) -> str:
-        """The page's name bound into its seal: ``{base}_{rank_suffix}``."""
+    def object_base(self, page_hash: str) -> str:
+        """What every object name of the page starts with: ``{base}_{rank_suffix}``."""
         return f"{self.base(page_hash)}_{self.rank_suffix}"
+
+    def page_name(self, page_hash: str) -> str:
+        """The page's name bound into its seal: ``object_base``, then ``_cp{rank}_{size}`` under
+        attention context parallelism (each CP rank's page is its own)."""
+        name = self.object_base(page_hash)
+        return f"{name}_cp{self.attn_cp_rank}_{self.attn_cp_size}" if self.attn_cp_size > 1 else name
 
     def objects(self, page_hash: str) -> list[str]:
         """The object names holding the page's bytes, in byte order (K then V; MLA: one)."""
-        name = self.page_name(page_hash)
+        name = self.object_base(page_hash)
         return [f"{name}_k"] if self.mla else [f"{name}_k", f"{name}_v"]
 
     def seal_object(self, page_hash: str) -> str:
-        """The name of the page's seal object."""
-        return f"{self.page_name(page_hash)}_{SEAL_SUFFIX}"
+        """The name of the page's seal object (shared by CP ranks, like the page's objects)."""
+        return f"{self.object_base(page_hash)}_{SEAL_SUFFIX}"
 
-
-def naming_from_suffix(suffix: str, mla: bool) -> MooncakeNaming:
-    """The naming implied by a ``hashing.storage_suffix`` (no pipeline parallelism).
-
-    ``_{model}_{tp_rank}_{tp_size}`` (MHA) or ``_{model}`` (MLA) -> model name and tp rank. A
-    suffix of another shape (or '') gives model '' and rank 0 (pass them explicitly instead).
-    """
-    if not suffix.startswith("_"):
-        return MooncakeNaming(mla=mla)
-    if mla:
-        return MooncakeNaming(model_name=suffix[1:], mla=True)
-    parts = suffix[1:].rsplit("_", 2)
-    if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-        return MooncakeNaming(model_name=parts[0], tp_rank=int(parts[1]))
-    return MooncakeNaming(model_name=suffix[1:])

@@ -2,7 +2,10 @@
 
 ``file``: our ``FileStorage`` (HiCacheFile-compatible names and raw page bytes) in the directory
 SGLang's ``HiCacheFile`` uses (``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, default
-``/tmp/hicache``), with SGLang's key suffix (``hashing.storage_suffix``) and byte cap.
+``/tmp/hicache``), with SGLang's names (from the rank's deployment identity,
+``lifecycle.integrations.sglang.identity``), byte cap and host layout: pages are stored in the byte
+order of the layout SGLang resolved (``page_first``, ``page_first_direct``, ``page_head``), so
+SGLang nodes of that layout read them right, and sealed with it, so ours refuse other layouts.
 
 MLA KV is the same on every TP rank; as in SGLang (``HiCacheController.backup_skip``), only rank 0
 writes it: other ranks get a ``ReplicaStorage`` whose writes are counted ``skipped`` and succeed
@@ -15,15 +18,15 @@ from collections.abc import Sequence
 
 import torch
 
-import hashing
-from transfer.errors import StorageUnavailable
+from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.host_pool import HostPool
 from transfer.stack import page_format
 from transfer.storage.base import Storage, StorageStats, check_batch
-from transfer.storage.file import FileStorage
+from transfer.storage.spec import open_storage as open_tier
 
 from lifecycle.integrations.sglang.config import OffloadConfig
 from lifecycle.integrations.sglang.errors import SGLangConfigError
+from lifecycle.integrations.sglang.identity import deployment_identity
 
 
 class ReplicaStorage(Storage):
@@ -70,24 +73,21 @@ class ReplicaStorage(Storage):
 
 
 def open_storage(config: OffloadConfig, host: HostPool, tp_rank: int, tp_size: int, mla: bool) -> Storage:
-    """The configured store for this rank, for pages of ``host`` (sealed as page-first pages of
-    its dtype and shape, as ``transfer.build_stack`` seals them).
+    """The configured store for this rank, for pages of ``host`` (page-first host pages, stored
+    and sealed in the configured host layout, as ``transfer.build_stack`` stores them).
 
     Raises:
         SGLangConfigError: an unsupported backend, or a directory that cannot be written.
     """
     if config.storage_backend != "file":  # read_config refuses these first; kept for direct callers
         raise SGLangConfigError(f"storage backend {config.storage_backend!r} is not supported; supported: file")
-    try:
-        suffix = hashing.storage_suffix(config.model_name, tp_rank, tp_size, is_mla=mla,
-                                        pp_rank=config.pp_rank, pp_size=config.pp_size)
-    except ValueError as err:
-        raise SGLangConfigError(f"storage key suffix: {err}") from None
+    identity = deployment_identity(config, tp_rank, tp_size, mla)
     owner = not mla or tp_rank == 0
     try:
-        store = FileStorage(config.storage_dir, suffix, host.page_nbytes,
-                            capacity_bytes=config.capacity_bytes if owner else None,
-                            page_format=page_format(host))
+        store = open_tier(f"file:{config.storage_dir}", page_nbytes=host.page_nbytes, identity=identity,
+                          capacity_bytes=config.capacity_bytes if owner else None, page_format=page_format(host))
+    except StorageConfigError as err:
+        raise SGLangConfigError(f"file backend: {err}") from None
     except StorageUnavailable as err:
         raise SGLangConfigError(
             f"file backend directory {config.storage_dir!r} is not writable "

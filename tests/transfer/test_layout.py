@@ -1,0 +1,206 @@
+"""Pages stored in SGLang's host layouts: the bytes a tier holds for page_first, page_first_direct
+and page_head are what SGLang 0.5.19's own host pools (``get_data_page`` / ``set_from_flat_data_page``,
+copied verbatim into ``tests/data/sglang_0_5_19.py``) write and read, so an SGLang node of that
+layout reads the right KV for every token and layer; the layout is in the seal, so our readers
+never serve a page of another layout."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from tests.data.sglang_0_5_19 import MHAHostPool, MLAHostPool
+from transfer import build_stack
+from transfer.errors import StorageConfigError
+from transfer.host_pool import HostPool
+from transfer.stack import page_format
+from transfer.storage.identity import DeploymentIdentity
+from transfer.storage.layout import LayoutStorage, PageOrder, seal_layout, wire_format
+from transfer.storage.spec import open_storage
+
+PS, LAYERS, HEADS, DIM, W = 4, 3, 2, 8, 24
+MHA_LAYOUTS = ["page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["page_first", "page_first_direct"]
+H1, H2, H3 = "ab" * 32, "cd" * 32, "ef" * 32
+
+
+def _host(mla: bool, dtype=torch.bfloat16, pages: int = 4) -> HostPool:
+    host = HostPool(LAYERS, 1 if mla else HEADS, W if mla else DIM, dtype, PS, pages * PS, mla=mla)
+    g = torch.Generator().manual_seed(7)
+    raw = torch.randint(0, 256, (host.buffer.numel() * host.buffer.element_size(),), dtype=torch.uint8, generator=g)
+    host.buffer.view(-1).view(torch.uint8).copy_(raw)
+    return host
+
+
+def _sglang_pool(layout: str, mla: bool, dtype, pages: int = 4):
+    if mla:
+        return MLAHostPool(layout, pages * PS, PS, LAYERS, W, dtype)
+    return MHAHostPool(layout, pages * PS, PS, LAYERS, HEADS, DIM, dtype)
+
+
+def _same_kv(host: HostPool, page: int, pool, sglang_page: int) -> bool:
+    """Every token's and layer's K and V (MLA: latent) of our host page equal SGLang's page."""
+    view = host.page_view(page)
+    for t, layer in itertools.product(range(PS), range(LAYERS)):
+        theirs = pool.token_kv(sglang_page * PS + t, layer)
+        if host.mla:
+            ours = view[0, t, layer]
+            if not torch.equal(ours.view(torch.uint8), theirs.reshape(ours.shape).view(torch.uint8)):
+                return False
+            continue
+        for kind in (0, 1):
+            if not torch.equal(view[kind, t, layer].view(torch.uint8), theirs[kind].view(torch.uint8)):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("mla,layout", [(False, x) for x in MHA_LAYOUTS] + [(True, x) for x in MLA_LAYOUTS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32])
+def test_page_order_is_sglangs_host_page_both_ways(mla, layout, dtype):
+    host = _host(mla, dtype)
+    order = PageOrder(layout, page_format(host).shape, host.buffer.element_size())
+    stored = torch.empty(host.page_nbytes, dtype=torch.uint8)
+    order.to_layout(host.page_bytes(1), stored)
+    pool = _sglang_pool(layout, mla, dtype)
+    pool.set_from_flat_data_page(2 * PS, stored.view(dtype))  # what SGLang does with a loaded page
+    assert _same_kv(host, 1, pool, 2)
+    # and what SGLang writes (get_data_page) comes back to the same host page
+    back = torch.zeros(host.page_nbytes, dtype=torch.uint8)
+    order.to_host(pool.get_data_page(2 * PS, flat=True).contiguous().view(torch.uint8), back)
+    assert torch.equal(back, host.page_bytes(1))
+    assert torch.equal(stored, pool.get_data_page(2 * PS, flat=True).contiguous().view(torch.uint8))
+
+
+def test_mooncake_blocks_are_get_page_buffer_meta_spans():
+    """Each half of a stored MHA page is the span SGLang's get_page_buffer_meta points K / V at."""
+    host = _host(False)
+    for layout in MHA_LAYOUTS:
+        order = PageOrder(layout, page_format(host).shape, 2)
+        pool = _sglang_pool(layout, False, torch.bfloat16)
+        stored = torch.empty(host.page_nbytes, dtype=torch.uint8)
+        order.to_layout(host.page_bytes(0), stored)
+        pool.set_from_flat_data_page(PS, stored.view(torch.bfloat16))
+        (k_ptr, v_ptr), sizes = pool.get_page_buffer_meta(torch.arange(PS, 2 * PS))
+        base = pool.kv_buffer.data_ptr()
+        flat = pool.kv_buffer.view(-1).view(torch.uint8)
+        half = host.page_nbytes // 2
+        assert sizes == [half, half]
+        assert torch.equal(flat[k_ptr - base:k_ptr - base + half], stored[:half])
+        assert torch.equal(flat[v_ptr - base:v_ptr - base + half], stored[half:])
+
+
+def test_wire_format_names_the_layout_in_the_seal():
+    host = _host(False)
+    fmt = page_format(host)
+    assert wire_format(fmt, "page_first") == fmt
+    direct = wire_format(fmt, "page_first_direct")
+    assert direct.layout == seal_layout("page_first_direct") and direct.shape == (2, LAYERS, PS, HEADS, DIM)
+    assert wire_format(fmt, "page_head").shape == (2, HEADS, PS, LAYERS, DIM)
+    with pytest.raises(StorageConfigError):
+        wire_format(page_format(_host(True)), "page_head")
+    with pytest.raises(StorageConfigError):
+        wire_format(direct, "page_head")  # only page-first host pages are reordered
+
+
+@pytest.mark.parametrize("mla,layout", [(False, "page_first_direct"), (False, "page_head"), (True, "page_first_direct")])
+def test_file_pages_are_hicache_files_of_the_layout_both_ways(tmp_path, mla, layout):
+    """What HiCacheFile in ``layout`` reads from our file is the right KV, and what it writes we read."""
+    host = _host(mla)
+    ident = DeploymentIdentity(model_name="org/m", mla=mla, layout=layout)
+    store = open_storage(f"file:{tmp_path}", page_nbytes=host.page_nbytes, identity=ident, page_format=page_format(host))
+    assert isinstance(store, LayoutStorage)
+    assert store.batch_set([H1], [host.page_bytes(0)]) == [True]
+    pool = _sglang_pool(layout, mla, torch.bfloat16)
+    with open(tmp_path / ident.file_name(H1), "rb") as f:  # HiCacheFile.get: the raw file into a flat page
+        pool.set_from_flat_data_page(PS, torch.frombuffer(bytearray(f.read()), dtype=torch.bfloat16))
+    assert _same_kv(host, 0, pool, 1)
+    # HiCacheFile.set of its page 1: value.contiguous().view(uint8) of get_data_page
+    with open(tmp_path / ident.file_name(H2), "wb") as f:
+        f.write(pool.get_data_page(PS, flat=True).contiguous().view(torch.uint8).numpy().tobytes())
+    into = torch.zeros(host.page_nbytes, dtype=torch.uint8)
+    assert store.batch_get([H2], [into]) == [True] and torch.equal(into, host.page_bytes(0))
+    assert store.stats().unverified == 1
+    into.zero_()
+    assert store.batch_get([H1], [into]) == [True] and torch.equal(into, host.page_bytes(0))
+    store.close()
+
+
+def test_our_readers_never_serve_a_page_of_another_layout(tmp_path):
+    host = _host(False)
+    stores = {layout: open_storage(f"file:{tmp_path}", page_nbytes=host.page_nbytes,
+                                   identity=DeploymentIdentity(model_name="m", layout=layout),
+                                   page_format=page_format(host)) for layout in MHA_LAYOUTS}
+    for i, (writer, store) in enumerate(stores.items()):
+        key = f"{i:064x}"
+        assert store.batch_set([key], [host.page_bytes(i)]) == [True]
+        for reader, other in stores.items():
+            into = torch.zeros(host.page_nbytes, dtype=torch.uint8)
+            before = other.stats().foreign
+            got = other.batch_get([key], [into])
+            if reader == writer:
+                assert got == [True] and torch.equal(into, host.page_bytes(i))
+            else:  # same names, same size, another byte order: refused, nothing left in the buffer
+                assert got == [False] and not into.any() and other.stats().foreign == before + 1
+    for store in stores.values():
+        store.close()
+
+
+def test_memory_tier_in_another_layout_round_trips_and_refuses_page_first_readers():
+    host = _host(False)
+    fmt = page_format(host)
+    direct = open_storage("memory", page_nbytes=host.page_nbytes,
+                          identity=DeploymentIdentity(layout="page_first_direct"), page_format=fmt)
+    assert direct.batch_set([H1], [host.page_bytes(2)]) == [True]
+    into = torch.zeros(host.page_nbytes, dtype=torch.uint8)
+    assert direct.batch_get([H1], [into]) == [True] and torch.equal(into, host.page_bytes(2))
+    # the inner tier holds the page_first_direct bytes, sealed as such
+    assert direct.inner.page_format == wire_format(fmt, "page_first_direct")
+
+
+def test_batches_larger_than_the_staging_buffer_are_split(tmp_path):
+    host = _host(False, pages=8)
+    ident = DeploymentIdentity(model_name="m", layout="page_head")
+    inner = open_storage(f"file:{tmp_path}", page_nbytes=host.page_nbytes, identity=ident.replace(layout="page_first"),
+                         page_format=wire_format(page_format(host), "page_head"))
+    store = LayoutStorage(inner, "page_head", page_format(host), staging_bytes=3 * host.page_nbytes)
+    keys = [f"{i:064x}" for i in range(8)]
+    assert store.batch_set(keys, [host.page_bytes(i) for i in range(8)]) == [True] * 8
+    assert store.batch_exists(keys) == 8
+    into = [torch.zeros(host.page_nbytes, dtype=torch.uint8) for _ in range(9)]
+    assert store.batch_get(keys + ["9" * 64], into) == [True] * 8 + [False]
+    assert all(torch.equal(into[i], host.page_bytes(i)) for i in range(8)) and not into[8].any()
+    assert store.delete(keys[0]) and store.batch_exists(keys) == 0
+    store.close()
+
+
+def test_layout_needs_a_page_format_and_an_mla_page_needs_an_mla_identity(tmp_path):
+    host = _host(False)
+    with pytest.raises(StorageConfigError, match="page format"):
+        open_storage("memory", page_nbytes=host.page_nbytes, identity=DeploymentIdentity(layout="page_head"))
+    with pytest.raises(StorageConfigError, match="mla"):
+        open_storage("memory", page_nbytes=host.page_nbytes, identity=DeploymentIdentity(mla=True),
+                     page_format=page_format(host))
+    with pytest.raises(StorageConfigError, match="MLA"):
+        build_stack(2, 1, 16, torch.bfloat16, 4, 16, 16, 1, 16, storage=f"file:{tmp_path}", mla=True,
+                    host_layout="page_head")
+    assert os.listdir(tmp_path) == []  # refused before the tier opened
+
+
+@pytest.mark.parametrize("layout", MHA_LAYOUTS)
+def test_a_stack_in_a_layout_offloads_and_reloads_bit_exact(tmp_path, layout):
+    stack = build_stack(LAYERS, HEADS, DIM, torch.bfloat16, PS, 32, 32, 2, 32, storage=f"file:{tmp_path}",
+                        model_name="org/m", host_layout=layout)
+    try:
+        assert stack.identity.layout == layout
+        host = stack.host_pool
+        host.buffer.view(-1).view(torch.uint8).copy_(_host(False, pages=8).buffer.view(-1).view(torch.uint8))
+        assert stack.storage.batch_set([H3], [host.page_bytes(3)]) == [True]
+        pool = _sglang_pool(layout, False, torch.bfloat16)
+        with open(tmp_path / stack.identity.file_name(H3), "rb") as f:
+            pool.set_from_flat_data_page(0, torch.frombuffer(bytearray(f.read()), dtype=torch.bfloat16))
+        assert _same_kv(host, 3, pool, 0)
+    finally:
+        stack.close()
