@@ -6,13 +6,13 @@ never serve a page of another layout."""
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
 import torch
 
 from tests.data.sglang_0_5_19 import MHAHostPool, MLAHostPool
+from tests.support.sglang_pages import random_host, same_kv
 from transfer import build_stack
 from transfer.errors import StorageConfigError
 from transfer.host_pool import HostPool
@@ -28,33 +28,13 @@ H1, H2, H3 = "ab" * 32, "cd" * 32, "ef" * 32
 
 
 def _host(mla: bool, dtype=torch.bfloat16, pages: int = 4) -> HostPool:
-    host = HostPool(LAYERS, 1 if mla else HEADS, W if mla else DIM, dtype, PS, pages * PS, mla=mla)
-    g = torch.Generator().manual_seed(7)
-    raw = torch.randint(0, 256, (host.buffer.numel() * host.buffer.element_size(),), dtype=torch.uint8, generator=g)
-    host.buffer.view(-1).view(torch.uint8).copy_(raw)
-    return host
+    return random_host(LAYERS, HEADS, W if mla else DIM, PS, pages, mla, dtype)
 
 
 def _sglang_pool(layout: str, mla: bool, dtype, pages: int = 4):
     if mla:
         return MLAHostPool(layout, pages * PS, PS, LAYERS, W, dtype)
     return MHAHostPool(layout, pages * PS, PS, LAYERS, HEADS, DIM, dtype)
-
-
-def _same_kv(host: HostPool, page: int, pool, sglang_page: int) -> bool:
-    """Every token's and layer's K and V (MLA: latent) of our host page equal SGLang's page."""
-    view = host.page_view(page)
-    for t, layer in itertools.product(range(PS), range(LAYERS)):
-        theirs = pool.token_kv(sglang_page * PS + t, layer)
-        if host.mla:
-            ours = view[0, t, layer]
-            if not torch.equal(ours.view(torch.uint8), theirs.reshape(ours.shape).view(torch.uint8)):
-                return False
-            continue
-        for kind in (0, 1):
-            if not torch.equal(view[kind, t, layer].view(torch.uint8), theirs[kind].view(torch.uint8)):
-                return False
-    return True
 
 
 @pytest.mark.parametrize("mla,layout", [(False, x) for x in MHA_LAYOUTS] + [(True, x) for x in MLA_LAYOUTS])
@@ -66,7 +46,7 @@ def test_page_order_is_sglangs_host_page_both_ways(mla, layout, dtype):
     order.to_layout(host.page_bytes(1), stored)
     pool = _sglang_pool(layout, mla, dtype)
     pool.set_from_flat_data_page(2 * PS, stored.view(dtype))  # what SGLang does with a loaded page
-    assert _same_kv(host, 1, pool, 2)
+    assert same_kv(host, 1, pool, 2)
     # and what SGLang writes (get_data_page) comes back to the same host page
     back = torch.zeros(host.page_nbytes, dtype=torch.uint8)
     order.to_host(pool.get_data_page(2 * PS, flat=True).contiguous().view(torch.uint8), back)
@@ -116,7 +96,7 @@ def test_file_pages_are_hicache_files_of_the_layout_both_ways(tmp_path, mla, lay
     pool = _sglang_pool(layout, mla, torch.bfloat16)
     with open(tmp_path / ident.file_name(H1), "rb") as f:  # HiCacheFile.get: the raw file into a flat page
         pool.set_from_flat_data_page(PS, torch.frombuffer(bytearray(f.read()), dtype=torch.bfloat16))
-    assert _same_kv(host, 0, pool, 1)
+    assert same_kv(host, 0, pool, 1)
     # HiCacheFile.set of its page 1: value.contiguous().view(uint8) of get_data_page
     with open(tmp_path / ident.file_name(H2), "wb") as f:
         f.write(pool.get_data_page(PS, flat=True).contiguous().view(torch.uint8).numpy().tobytes())
@@ -201,6 +181,6 @@ def test_a_stack_in_a_layout_offloads_and_reloads_bit_exact(tmp_path, layout):
         pool = _sglang_pool(layout, False, torch.bfloat16)
         with open(tmp_path / stack.identity.file_name(H3), "rb") as f:
             pool.set_from_flat_data_page(0, torch.frombuffer(bytearray(f.read()), dtype=torch.bfloat16))
-        assert _same_kv(host, 3, pool, 0)
+        assert same_kv(host, 3, pool, 0)
     finally:
         stack.close()

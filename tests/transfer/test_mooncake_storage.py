@@ -19,7 +19,9 @@ import torch
 from lifecycle_tools.testkit.mooncake_server import (  # noqa: F401 (fixtures)
     free_port, mooncake_master, mooncake_session_master, require_mooncake,
 )
-from transfer import open_storage
+from tests.data.sglang_0_5_19 import MooncakeStoreNames, storage_config_from_controller
+from tests.support.sglang_pages import fill_random, random_host, same_kv, sglang_pool
+from transfer import build_stack, open_storage
 from transfer.errors import InvalidKey, PageSizeMismatch, StorageConfigError, StorageUnavailable
 from transfer.storage.integrity import PageFormat
 from transfer.storage.mooncake import MooncakeStorage
@@ -168,6 +170,122 @@ def test_mla_pages_are_one_object(mooncake_master, raw):
         assert raw.batch_is_exist([f"org-tiny_{h}__k", f"org-tiny_{h}__v"]) == [1, 0]
         out = torch.zeros(nb, dtype=torch.uint8)
         assert s.batch_get([h], [out]) == [True] and torch.equal(out, page)
+    finally:
+        s.close()
+
+
+# --- deployments sharing a store with SGLang's MooncakeStore -------------------------------------
+
+class SGLangNode:
+    """One SGLang rank's MooncakeStore data path (``batch_set_v1`` / ``batch_get_v1``) over its own
+    host pool: names from ``MooncakeStoreNames``, pointers from the pool's ``get_page_buffer_meta``
+    (both verbatim SGLang 0.5.19), bytes moved by a raw Mooncake client."""
+
+    def __init__(self, raw, host, layout: str, *, model: str, tp=(0, 1), pp=(0, 1), cp=(0, 1), tag=None):
+        self.raw, self.pool = raw, sglang_pool(host, layout, pages=2)
+        config = storage_config_from_controller(
+            tp_rank=tp[0], tp_size=tp[1], pp_rank=pp[0], pp_size=pp[1], attn_cp_group_rank_size=cp,
+            is_mla=host.mla, layout=layout, model_name=model,
+            extra_config=None if tag is None else {"extra_backend_tag": tag})
+        self.names = MooncakeStoreNames(config)
+        self.page_size = host.page_size
+
+    def _meta(self, page: int):
+        return self.pool.get_page_buffer_meta(torch.arange(page * self.page_size, (page + 1) * self.page_size))
+
+    def _io(self, fn, h: str, page: int) -> list[int]:
+        buf = self.pool.kv_buffer
+        self.raw.register_buffer(buf.data_ptr(), buf.numel() * buf.element_size())
+        try:
+            ptrs, sizes = self._meta(page)
+            return fn(self.names.set_keys([h]), ptrs, sizes)
+        finally:
+            self.raw.unregister_buffer(buf.data_ptr())
+
+    def put(self, h: str, page: int) -> list[int]:
+        return self._io(self.raw.batch_put_from, h, page)
+
+    def get(self, h: str, page: int) -> list[int]:
+        return self._io(self.raw.batch_get_into, h, page)
+
+    def exists(self, h: str) -> list[int]:
+        return self.raw.batch_is_exist(self.names.exists_keys([h]))
+
+
+def _share_both_ways(stack, node: SGLangNode) -> None:
+    """Our page read right by SGLang, SGLang's page read right by us."""
+    host = stack.host_pool
+    mine, theirs = fresh_hashes(2)
+    assert stack.storage.batch_set([mine], [host.page_bytes(0)]) == [True]
+    assert node.exists(mine) == [1] * host.buffer.shape[1]
+    assert all(c > 0 for c in node.get(mine, 1)) and same_kv(host, 0, node.pool, 1)
+    fill_random(node.pool, seed=11)
+    assert node.put(theirs, 0) == [0] * host.buffer.shape[1]
+    assert stack.storage.batch_exists([theirs]) == 1
+    assert stack.storage.batch_get([theirs], [host.page_bytes(1)]) == [True] and same_kv(host, 1, node.pool, 0)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("pp,cp", [((1, 2), (0, 1)), ((0, 1), (1, 2))], ids=["pp2", "cp2"])
+def test_pp_and_cp_deployments_share_pages_both_ways_with_sglang(module_master, raw, mla, pp, cp):
+    """No URL options beyond the master's address: the stack's identity names the objects."""
+    stack = build_stack(LAYERS, HEADS if not mla else 1, DIM if not mla else 24, torch.bfloat16, PS, 16, 16, 1, 16,
+                        storage=f"mooncake://{module_master.address}", mla=mla, model_name="org/m", tp_rank=1,
+                        tp_size=2, pp_rank=pp[0], pp_size=pp[1], attn_cp_rank=cp[0], attn_cp_size=cp[1])
+    try:
+        host = stack.host_pool
+        host.buffer.copy_(random_host(LAYERS, HEADS, host.buffer.shape[-1], PS, 4, mla).buffer)
+        _share_both_ways(stack, SGLangNode(raw, host, "page_first", model="org/m", tp=(1, 2), pp=pp, cp=cp))
+    finally:
+        stack.close()
+
+
+def test_a_context_parallel_rank_never_serves_another_cp_ranks_page(module_master, shared_store):
+    """SGLang names CP ranks' objects alike (first writer wins); our seal names the CP rank."""
+    one = DeploymentIdentity(model_name="org/m", attn_cp_rank=1, attn_cp_size=2)
+    zero = open_storage(module_master.spec(global_segment_size=0), page_nbytes=NB, identity=one.replace(attn_cp_rank=0),
+                        page_format=MHA)
+    other = open_storage(module_master.spec(global_segment_size=0), page_nbytes=NB, identity=one, page_format=MHA)
+    try:
+        h = fresh_hashes(1)[0]
+        page = pages(1, seed=3)[0]
+        assert zero.batch_set([h], [page]) == [True]
+        buf = torch.zeros(NB, dtype=torch.uint8)
+        assert other.batch_get([h], [buf]) == [False] and other.stats().foreign == 1 and not buf.any()
+        assert zero.batch_get([h], [buf]) == [True] and torch.equal(buf, page)
+    finally:
+        zero.close(), other.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_head"])
+def test_a_node_in_another_layout_shares_right_kv_and_page_first_readers_refuse_it(module_master, raw, layout):
+    stack = build_stack(LAYERS, HEADS, DIM, torch.bfloat16, PS, 16, 16, 1, 16, storage=module_master.spec(),
+                        model_name="org/m", backend_tag="t1", host_layout=layout)
+    first = open_storage(module_master.spec(global_segment_size=0), page_nbytes=NB,
+                         identity=stack.identity.replace(layout="page_first"), page_format=MHA)
+    try:
+        stack.host_pool.buffer.copy_(random_host(LAYERS, HEADS, DIM, PS, 4, False).buffer)
+        node = SGLangNode(raw, stack.host_pool, layout, model="org/m", tag="t1")
+        _share_both_ways(stack, node)
+        h = fresh_hashes(1)[0]  # a page_first reader of the same names: same size, other byte order
+        assert stack.storage.batch_set([h], [stack.host_pool.page_bytes(2)]) == [True]
+        buf = torch.zeros(NB, dtype=torch.uint8)
+        assert first.batch_get([h], [buf]) == [False] and first.stats().foreign == 1 and not buf.any()
+    finally:
+        first.close()
+        stack.close()
+
+
+def test_identity_options_in_the_url_name_the_objects(module_master, shared_store, raw):
+    spec = module_master.spec(global_segment_size=0, model="org/x", tp_rank=1, tp_size=2, pp_rank=1, pp_size=2,
+                              backend_tag="t")
+    s = open_storage(spec, page_nbytes=NB, page_format=MHA)
+    try:
+        assert s.identity == DeploymentIdentity(model_name="org/x", backend_tag="t", tp_rank=1, tp_size=2, pp_rank=1,
+                                                pp_size=2)
+        h = fresh_hashes(1)[0]
+        assert s.batch_set([h], [pages(1)[0]]) == [True]
+        assert raw.batch_is_exist([f"t_org-x_{h}_1_1_k", f"t_org-x_{h}_1_1_v"]) == [1, 1]
     finally:
         s.close()
 
