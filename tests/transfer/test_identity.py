@@ -7,8 +7,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 from tests.data.sglang_0_5_19 import HiCacheFileNames, MooncakeStoreNames, storage_config_from_controller
+from tests.support.sglang_pages import fill_random, random_host, same_kv, sglang_pool
+from transfer import build_stack
 from transfer.errors import StorageConfigError
 from transfer.storage.identity import LAYOUTS, DeploymentIdentity, identity_changes
 from transfer.storage.mooncake_keys import MooncakeNaming
@@ -122,3 +125,31 @@ def test_url_options_become_identity_fields():
     for bad in ({"tp_rank": "x"}, {"mla": "maybe"}):
         with pytest.raises(StorageConfigError):
             identity_changes(bad)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("pp,cp", [((1, 2), (0, 1)), ((0, 1), (1, 2)), ((1, 2), (1, 2))], ids=["pp2", "cp2", "pp2cp2"])
+def test_pp_and_cp_stacks_share_pages_both_ways_with_hicache_file(tmp_path, mla, pp, cp):
+    """A stack's file tier and SGLang's HiCacheFile (names from its config suffix, bytes from its
+    host pool's get_data_page / set_from_flat_data_page) read each other's pages."""
+    width = 24 if mla else 8
+    stack = build_stack(2, 1 if mla else 2, width, torch.bfloat16, 4, 16, 16, 1, 16, storage=f"file:{tmp_path}",
+                        mla=mla, model_name="org/m", tp_rank=1, tp_size=2, pp_rank=pp[0], pp_size=pp[1],
+                        attn_cp_rank=cp[0], attn_cp_size=cp[1])
+    try:
+        host = stack.host_pool
+        host.buffer.copy_(random_host(2, 2, width, 4, 4, mla).buffer)
+        sglang = HiCacheFileNames(_config((1, 2), pp, cp, "org/m", mla, None), str(tmp_path))
+        pool = sglang_pool(host, "page_first", pages=2)
+        mine, theirs = HASHES
+        assert stack.storage.batch_set([mine], [host.page_bytes(0)]) == [True]
+        with open(tmp_path / sglang.file_name(mine), "rb") as f:  # HiCacheFile.get
+            pool.set_from_flat_data_page(4, torch.frombuffer(bytearray(f.read()), dtype=torch.bfloat16))
+        assert same_kv(host, 0, pool, 1)
+        fill_random(pool, seed=5)
+        with open(tmp_path / sglang.file_name(theirs), "wb") as f:  # HiCacheFile.set
+            f.write(pool.get_data_page(0, flat=True).contiguous().view(torch.uint8).numpy().tobytes())
+        assert stack.storage.batch_exists([theirs]) == 1
+        assert stack.storage.batch_get([theirs], [host.page_bytes(1)]) == [True] and same_kv(host, 1, pool, 0)
+    finally:
+        stack.close()
