@@ -75,6 +75,21 @@ def test_keys_follow_the_file_store_naming(redis_url):
     s.close()
 
 
+def test_a_stacks_redis_keys_are_its_identitys(redis_url):
+    """Built from the stack's deployment identity: the backend tag first, then hash and file suffix."""
+    stack = build_stack(LAYERS, HEADS, DIM, torch.float32, PS, 16, 16, 1, 16, storage=redis_url, model_name="org/m",
+                        tp_rank=1, tp_size=2, pp_rank=1, pp_size=2, backend_tag="tenant")
+    try:
+        h = hashing.page_hashes(list(range(PS)), PS)[0]
+        assert stack.storage.batch_set([h], [stack.host_pool.page_bytes(0)]) == [True]
+        c = raw_client(redis_url)
+        assert stack.identity.redis_key(h) == f"tenant_{h}_org-m_1_2_2_1"
+        assert c.exists(f"tenant_{h}_org-m_1_2_2_1") == 1 and c.exists(f"{h}_org-m_1_2_2_1") == 0
+        c.close()
+    finally:
+        stack.close()
+
+
 def test_other_clients_see_pages_without_local_state(redis_url):
     a = RedisStorage(redis_url, "_m_0_1", NB)
     b = RedisStorage(redis_url, "_m_0_1", NB)

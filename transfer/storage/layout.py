@@ -24,7 +24,7 @@ refuses the page as ``foreign``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -192,3 +192,21 @@ class LayoutStorage(Storage):
     def __repr__(self) -> str:
         return f"LayoutStorage({self.layout}, {self.inner!r})"
 
+
+
+def stored_in_layout(open_tier: Callable[[PageFormat], Storage], layout: str, host_format: PageFormat) -> Storage:
+    """A tier that stores page-first host pages of ``host_format`` in ``layout``'s byte order.
+
+    Args:
+        open_tier: opens the tier with the page format it is to seal (the layout's
+            ``wire_format``; ``host_format`` itself for ``page_first``).
+        layout: the deployment identity's host layout.
+        host_format: the format of the pages callers pass.
+    Returns:
+        The tier itself for ``page_first``, else a ``LayoutStorage`` around it.
+    Raises:
+        StorageConfigError: the layout has no form for these pages; whatever ``open_tier`` raises.
+    """
+    if layout == PAGE_FIRST:
+        return open_tier(host_format)
+    return LayoutStorage(open_tier(wire_format(host_format, layout)), layout, host_format)

@@ -130,14 +130,13 @@ def open_storage(
     if identity is None or identity.layout == PAGE_FIRST:
         return _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, page_format, require_checksum,
                      connect_timeout_s)
-    from transfer.storage.layout import LayoutStorage, wire_format
+    from transfer.storage.layout import stored_in_layout
 
     if page_format is None:
         raise StorageConfigError(f"host layout {identity.layout} needs the page format (dtype, shape) to order "
                                  "the bytes; pass page_format")
-    inner = _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, wire_format(page_format, identity.layout),
-                  require_checksum, connect_timeout_s)
-    return LayoutStorage(inner, identity.layout, page_format)
+    return stored_in_layout(lambda fmt: _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, fmt,
+                                              require_checksum, connect_timeout_s), identity.layout, page_format)
 
 
 def _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, page_format, require_checksum,

@@ -22,7 +22,8 @@ from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.host_pool import HostPool
 from transfer.stack import page_format
 from transfer.storage.base import Storage, StorageStats, check_batch
-from transfer.storage.spec import open_storage as open_tier
+from transfer.storage.file import FileStorage
+from transfer.storage.layout import stored_in_layout
 
 from lifecycle.integrations.sglang.config import OffloadConfig
 from lifecycle.integrations.sglang.errors import SGLangConfigError
@@ -84,8 +85,10 @@ def open_storage(config: OffloadConfig, host: HostPool, tp_rank: int, tp_size: i
     identity = deployment_identity(config, tp_rank, tp_size, mla)
     owner = not mla or tp_rank == 0
     try:
-        store = open_tier(f"file:{config.storage_dir}", page_nbytes=host.page_nbytes, identity=identity,
-                          capacity_bytes=config.capacity_bytes if owner else None, page_format=page_format(host))
+        store = stored_in_layout(
+            lambda fmt: FileStorage(config.storage_dir, identity.file_suffix, host.page_nbytes,
+                                    capacity_bytes=config.capacity_bytes if owner else None, page_format=fmt),
+            identity.layout, page_format(host))
     except StorageConfigError as err:
         raise SGLangConfigError(f"file backend: {err}") from None
     except StorageUnavailable as err:
