@@ -49,6 +49,14 @@ def test_a_layout_sglang_has_no_form_for_is_refused_in_one_line(tmp_path):
     assert "MLA" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_sglangs_split_heads_naming_is_refused_in_one_line(tmp_path):
+    config = dataclasses.replace(_config(tmp_path, "page_head"), extra_config={"tp_lcm_size": 4})
+    with pytest.raises(SGLangConfigError) as err:
+        deployment_identity(config, 0, 2, False)
+    assert "tp_lcm_size" in str(err.value) and "\n" not in str(err.value)
+    assert deployment_identity(config, 0, 4, False).tp_size == 4  # tp_lcm_size == tp_size: no split
+
+
 @pytest.mark.parametrize("mla,layout", [(False, "page_first_direct"), (False, "page_head"), (True, "page_first_direct")])
 def test_an_sglang_node_of_the_resolved_layout_reads_the_drop_ins_pages_right(tmp_path, mla, layout):
     host = random_host(2, 2, 24 if mla else 8, 4, 4, mla)

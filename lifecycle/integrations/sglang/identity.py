@@ -29,9 +29,18 @@ def deployment_identity(config: OffloadConfig, tp_rank: int, tp_size: int, mla: 
         ``str``, like SGLang), TP and PP places, attention CP 0 of 1 (the decode offload manager
         passes SGLang no CP group), ``mla``, layout ``hicache_mem_layout``.
     Raises:
-        SGLangConfigError: a deployment no tier can name or lay out as SGLang does (one line).
+        SGLangConfigError: a deployment no tier can name or lay out as SGLang does (one line),
+            including SGLang's split-heads naming (``tp_lcm_size`` > ``tp_size`` in ``page_head``).
     """
-    tag = (config.extra_config or {}).get("extra_backend_tag")
+    extra = config.extra_config or {}
+    tag = extra.get("extra_backend_tag")
+    lcm = extra.get("tp_lcm_size")
+    if lcm and not mla and config.mem_layout == "page_head" and isinstance(lcm, int) and lcm > tp_size:
+        # SGLang then splits each page's heads over tp_lcm_size // tp_size objects per rank
+        # (should_split_heads), names no single page object, and needs every rank's split to read one
+        raise SGLangConfigError(
+            f"storage naming: tp_lcm_size {lcm} > tp_size {tp_size} with page_head splits pages by heads "
+            "(SGLang's heterogeneous-TP objects); kv-lifecycle stores whole pages — drop tp_lcm_size")
     try:
         return DeploymentIdentity(model_name=config.model_name, backend_tag=None if tag is None else str(tag),
                                   tp_rank=tp_rank, tp_size=tp_size, pp_rank=config.pp_rank, pp_size=config.pp_size,
