@@ -6,6 +6,7 @@ never serve a page of another layout."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -184,3 +185,33 @@ def test_a_stack_in_a_layout_offloads_and_reloads_bit_exact(tmp_path, layout):
         assert same_kv(host, 3, pool, 0)
     finally:
         stack.close()
+
+
+def test_an_sglang_node_of_another_layout_loads_a_page_with_none_of_its_kv_right():
+    """What docs/storage.md promises about mixed layouts (SGLang has no seal to refuse with):
+    8 pages of 16 tokens written in one layout and loaded by SGLang in another hold 0 of 128
+    tokens' K and V right, for each of the six ordered pairs."""
+    layers, heads, dim, ps, pages = 4, 2, 8, 16, 8
+    host = random_host(layers, heads, dim, ps, pages, False)
+    for writer, reader in itertools.permutations(MHA_LAYOUTS, 2):
+        order = PageOrder(writer, page_format(host).shape, 2)
+        pool = MHAHostPool(reader, pages * ps, ps, layers, heads, dim, torch.bfloat16)
+        right = 0
+        for p in range(pages):
+            stored = torch.empty(host.page_nbytes, dtype=torch.uint8)
+            order.to_layout(host.page_bytes(p), stored)
+            pool.set_from_flat_data_page(p * ps, stored.view(torch.bfloat16))
+            view = host.page_view(p)
+            right += sum(all(torch.equal(view[k, t, layer], pool.token_kv(p * ps + t, layer)[k])
+                             for layer in range(layers) for k in (0, 1)) for t in range(ps))
+        assert right == 0, (writer, reader)
+        assert same_kv(host, 0, _reload(host, writer, pool), 0)  # the same pages in their own layout: all right
+
+
+def _reload(host, layout, like):
+    pool = MHAHostPool(layout, like.size, like.page_size, like.layer_num, like.head_num, like.head_dim, like.dtype)
+    order = PageOrder(layout, page_format(host).shape, 2)
+    stored = torch.empty(host.page_nbytes, dtype=torch.uint8)
+    order.to_layout(host.page_bytes(0), stored)
+    pool.set_from_flat_data_page(0, stored.view(torch.bfloat16))
+    return pool
