@@ -111,7 +111,7 @@ def open_storage(
             on read by every backend (None: each page's own dtype and shape, layout ``raw``). With
             an identity whose layout is not ``page_first``, the page-first host pages this
             describes are stored in the identity's layout (``LayoutStorage``).
-        require_checksum: strict mode: a page without a seal is a miss.
+        require_checksum: strict mode (memory, file, Mooncake): a page without a seal is a miss.
         connect_timeout_s: how long to wait for a server to accept the connection.
     Raises:
         ValueError: an unknown spec. StorageConfigError (a ValueError): a bad URL (e.g. a
