@@ -32,10 +32,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 import torch
 
-from transfer.errors import StorageUnavailable
+from transfer.errors import InvalidPage, StorageConfigError, StorageUnavailable
 from transfer.log import get_logger
 from transfer.storage import mooncake_conn as conn
-from transfer.storage.base import Storage, StorageStats, check_batch
+from transfer.storage.base import Storage, StorageStats
+from transfer.storage.checks import check_batch, check_store
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import SEAL_NBYTES, PageFormat, Verdict, check_keys, seal, verify
 from transfer.storage.mooncake_session import ClientSession, tracked
@@ -86,6 +87,7 @@ class MooncakeStorage(ClientSession, Storage):
 
     def __init__(self, settings: conn.MooncakeSettings, suffix: str = "", page_nbytes: int | None = None,
                  *, page_format: PageFormat | None = None, require_checksum: bool = False) -> None:
+        check_store(page_nbytes, page_format)
         conn.import_store()
         if require_checksum and not settings.require_checksum:
             settings = msgspec.structs.replace(settings, require_checksum=True)
@@ -98,6 +100,8 @@ class MooncakeStorage(ClientSession, Storage):
             tp_rank=settings.tp_rank if settings.tp_rank is not None else implied.tp_rank,
             pp_rank=settings.pp_rank or 0, pp_size=settings.pp_size or 1, mla=mla,
             backend_tag=settings.backend_tag)
+        if page_nbytes is not None and page_nbytes % self.naming.kinds:
+            raise StorageConfigError(f"an MHA page must split into equal K and V halves, got page_nbytes={page_nbytes}")
         self.page_format = page_format
         self.url = f"mooncake://{settings.master}"
         self.breaker = CircuitBreaker(self.url)
@@ -142,13 +146,20 @@ class MooncakeStorage(ClientSession, Storage):
     def _format(self, page: torch.Tensor) -> PageFormat:
         return self.page_format if self.page_format is not None else PageFormat.raw(page)
 
-    def _slices(self, page: torch.Tensor) -> list[tuple[int, int]]:
-        """(pointer, size) of each object of ``page``: K and V halves, or the whole MLA page."""
+    def _check(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
+        """``checks.check_batch``, and every page splits into its objects (MHA: equal K and V)."""
+        check_batch(keys, pages, self.page_nbytes)
         kinds = self.naming.kinds
-        nbytes = page.numel() * page.element_size()
-        if nbytes % kinds:
-            raise ValueError(f"an MHA page must split into equal K and V halves, got {nbytes} bytes")
-        part = nbytes // kinds
+        for page in pages:
+            if (page.numel() * page.element_size()) % kinds:
+                raise InvalidPage(f"an MHA page must split into equal K and V halves, "
+                                  f"got {page.numel() * page.element_size()} bytes")
+
+    def _slices(self, page: torch.Tensor) -> list[tuple[int, int]]:
+        """(pointer, size) of each object of ``page`` (checked by ``_check``): K and V halves, or
+        the whole MLA page."""
+        kinds = self.naming.kinds
+        part = page.numel() * page.element_size() // kinds
         return [(page.data_ptr() + i * part, part) for i in range(kinds)]
 
     # -- Storage --------------------------------------------------------------------------------
@@ -156,7 +167,7 @@ class MooncakeStorage(ClientSession, Storage):
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_set``. Pages whose objects all exist are skipped (first writer wins,
         as in SGLang). Raises ``StorageUnavailable`` when the master is away (nothing written)."""
-        check_batch(keys, pages, self.page_nbytes)
+        self._check(keys, pages)
         results = [False] * len(keys)
         if not keys:
             return results
@@ -230,7 +241,7 @@ class MooncakeStorage(ClientSession, Storage):
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_get``: a page is served only when all its objects were read in full
         and (when sealed) its seal verifies. The master away: all misses, without blocking."""
-        check_batch(keys, into, self.page_nbytes)
+        self._check(keys, into)
         if not keys:
             return []
         store = self._usable("get")
