@@ -56,27 +56,25 @@ def check_page(page: object, page_nbytes: int | None) -> None:
 
     Raises:
         InvalidPage: not a tensor, not contiguous or not on the CPU, a dtype outside
-            ``BYTE_EXACT_DTYPES`` (named), a conjugate/negative view, a tensor requiring grad,
-            a sparse or other non-strided layout.
+            ``BYTE_EXACT_DTYPES`` (named; a conjugate view is complex), a negative view, a tensor
+            requiring grad, a sparse or other non-strided layout, a meta tensor.
         PageSizeMismatch: ``page_nbytes`` given and the page has another byte size.
     """
     if not isinstance(page, torch.Tensor):
         raise InvalidPage(f"pages must be contiguous CPU tensors, got {type(page).__name__}")
-    if page.dtype not in BYTE_EXACT_DTYPES:
+    if page.dtype not in BYTE_EXACT_DTYPES:  # complex (conjugate views included), quantized, sub-byte
         raise InvalidPage(f"page dtype refused: {_why_not_byte_exact(page.dtype)}; a tier stores plain "
                           f"arrays of bytes ({', '.join(sorted(_BY_NAME))})")
     if page.layout is not torch.strided:
         raise InvalidPage(f"pages must be dense (strided) tensors, got layout {page.layout}")
-    if page.device.type != "cpu" or not page.is_contiguous():
+    if not page.is_cpu or not page.is_contiguous():
         raise InvalidPage("pages must be contiguous CPU tensors")
-    if page.is_conj() or page.is_neg():
-        raise InvalidPage("a page must not be a lazy conjugate or negative view (resolve it first)")
+    if page.is_neg():
+        raise InvalidPage("a page must not be a lazy negative view (resolve it first)")
     if page.requires_grad:
         raise InvalidPage("a page must not require grad (pass tensor.detach())")
-    if page_nbytes is not None:
-        nbytes = page.numel() * page.element_size()
-        if nbytes != page_nbytes:
-            raise PageSizeMismatch(f"page of {nbytes} bytes, expected {page_nbytes}")
+    if page_nbytes is not None and page.nbytes != page_nbytes:
+        raise PageSizeMismatch(f"page of {page.nbytes} bytes, expected {page_nbytes}")
 
 
 def check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor], page_nbytes: int | None) -> None:
