@@ -201,3 +201,10 @@ def test_an_odd_mha_page_size_is_refused_by_mooncake(mooncake_master):
         open_storage(mooncake_master.spec(), SUFFIX, NB + 1)
     with pytest.raises(StorageError):
         open_storage(mooncake_master.spec(), SUFFIX, 0)
+
+
+def test_a_capacity_that_is_not_a_positive_int_is_refused_by_every_tier(tier, tmp_path):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(StorageConfigError, match="capacity_bytes"):
+            open_storage(tier, SUFFIX, NB, capacity_bytes=bad)
+    assert not os.path.exists(tmp_path / "store")

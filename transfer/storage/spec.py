@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from transfer.storage.base import Storage
-from transfer.storage.checks import check_ttl
+from transfer.storage.checks import check_sizes, check_ttl
 from transfer.storage.integrity import PageFormat
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
@@ -51,11 +51,13 @@ def open_storage(
         connect_timeout_s: how long to wait for a server to accept the connection.
     Raises:
         ValueError: an unknown spec. StorageConfigError (a ValueError): a bad URL (e.g. a
-            non-numeric database), suffix or format; a ``ttl_s`` out of range (any tier).
+            non-numeric database), suffix or format; a ``ttl_s`` out of range, a ``page_nbytes`` or
+            ``capacity_bytes`` that is not a positive int (any tier, before anything is opened).
         StorageUnavailable: the directory is not writable, or the server does not answer (a
             one-line message naming the URL and the reason).
     """
-    check_ttl(ttl_s)  # every tier: a bad expiry is refused even where it is not used
+    check_ttl(ttl_s)  # every tier: a bad expiry or bound is refused even where it is not used
+    check_sizes(page_nbytes=page_nbytes, capacity_bytes=capacity_bytes)
     if spec == "memory":
         from transfer.storage.memory import MemoryStorage
 
