@@ -55,6 +55,11 @@ class PageSizeMismatch(StorageError, ValueError):
     """A page buffer's byte size differs from the backend's page size."""
 
 
+class InvalidPage(StorageError, ValueError):
+    """A page tensor a tier cannot store byte-exact (dtype, layout, device, view bits, autograd), or a
+    batch whose lengths differ; nothing of the batch was touched."""
+
+
 class InvalidKey(StorageError, ValueError):
     """A storage key is not a page hash (64 lowercase hex characters); nothing of the batch was touched."""
 

@@ -7,6 +7,8 @@ saying exactly what stays quarantined and why, instead of waiting forever.
 
 from __future__ import annotations
 
+import inspect
+
 import msgspec
 
 #: Seconds ``HostOffloader.close`` / ``TransferStack.close`` wait by default for in-flight work.
@@ -26,6 +28,9 @@ class CloseReport(msgspec.Struct):
         host_pages: host pages those copies may still write: never returned to the host pool.
         abandoned_storage: op ids of host -> storage ops still queued or running; their host
             pages stay busy (``free_host`` refuses them) until ``finished_storage`` reports them.
+        abandoned_pages: names of page writes the storage tier still had running at the deadline
+            (``Storage.close``: e.g. a file write stuck in a hung filesystem call); the tier may
+            still create those pages if the call ever returns.
         reason: one line saying what was abandoned and why ("" when clean).
     """
 
@@ -36,6 +41,7 @@ class CloseReport(msgspec.Struct):
     host_pages: list[int] = msgspec.field(default_factory=list)
     abandoned_storage: list[int] = msgspec.field(default_factory=list)
     reason: str = ""
+    abandoned_pages: list[str] = msgspec.field(default_factory=list)
 
 
 def check_timeout(timeout: float | None) -> None:
@@ -44,3 +50,20 @@ def check_timeout(timeout: float | None) -> None:
         return
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise ValueError(f"timeout must be a number >= 0 or None, got {timeout!r}")
+
+
+def close_storage(storage, timeout: float | None) -> list[str]:
+    """``storage.close`` within ``timeout`` seconds: passed on when the tier's ``close`` takes a
+    ``timeout`` (``Storage.close``); a tier whose ``close`` does not (an older custom tier, or one
+    that never waits) is closed as it is.
+
+    Returns:
+        The names of the page writes the tier abandoned (``[]`` when none or not reported).
+    """
+    close = storage.close
+    try:
+        takes_timeout = "timeout" in inspect.signature(close).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes_timeout = False
+    abandoned = close(timeout=timeout) if takes_timeout else close()
+    return sorted(abandoned) if isinstance(abandoned, (list, tuple, set)) else []

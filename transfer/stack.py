@@ -14,7 +14,7 @@ from transfer.host_pool import HostPool
 from transfer.kv_pool import KVPool
 from transfer.prefix import PrefixLoader
 from transfer.req_pool import ReqToTokenPool
-from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
+from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout, close_storage
 from transfer.storage.base import Storage
 from transfer.storage.identity import DeploymentIdentity
 from transfer.storage.integrity import PageFormat
@@ -39,11 +39,13 @@ class TransferStack:
     def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT_S) -> CloseReport:
         """Drain and stop the workers, then release the storage backend, waiting at most
         ``timeout`` seconds in all (default ``DEFAULT_CLOSE_TIMEOUT_S``; None: without bound).
-        Copies, storage ops and prefix loads still running at the deadline are abandoned, never
-        waited on forever.
+        Copies, storage ops, prefix loads and the storage tier's own page writes (a file write in
+        a hung filesystem call) still running at the deadline are abandoned, never waited on
+        forever.
 
         Returns:
-            The offloader's ``CloseReport``, not ``clean`` also when a prefix load was abandoned.
+            The offloader's ``CloseReport``, not ``clean`` also when a prefix load was abandoned,
+            with ``abandoned_pages`` naming the tier's page writes abandoned.
         Raises:
             ValueError: ``timeout`` negative or not a number.
         """
@@ -54,7 +56,13 @@ class TransferStack:
         if not self.prefix_loader.close(left):
             why = f"prefix loads still running after {timeout}s (their device slots and host pages stay held)"
             report = msgspec.structs.replace(report, clean=False, reason="; ".join(filter(None, [report.reason, why])))
-        self.storage.close()
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        pages = close_storage(self.storage, left)
+        if pages:
+            why = (f"{len(pages)} storage page writes still running after {timeout}s (a hung storage call "
+                   f"cannot be cancelled; those pages may still appear)")
+            report = msgspec.structs.replace(report, clean=False, abandoned_pages=pages,
+                                             reason="; ".join(filter(None, [report.reason, why])))
         return report
 
 

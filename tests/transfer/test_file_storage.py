@@ -2,6 +2,7 @@
 
 import errno
 import os
+import threading
 import time
 
 import pytest
@@ -189,3 +190,41 @@ def test_unverified_pages_counted_warned_once_and_refused_in_strict_mode(tmp_pat
     assert strict.batch_exists([A]) == 0
     assert strict.batch_get([A], [out]) == [False] and strict.stats().unverified == 1
     assert (tmp_path / f"{A}{SUFFIX}.bin").exists()  # refused, not deleted: it is SGLang's page
+
+
+def test_close_is_bounded_through_a_write_hung_in_the_filesystem_and_names_it(tmp_path, monkeypatch):
+    """reliability.md: close bounds the whole shutdown wait. A page write blocked in the kernel (a
+    FIFO opened for writing with no reader: an NFS-like hang) is abandoned and named, not waited on."""
+    from structlog.testing import capture_logs
+
+    from tests.support.hung_fs import HungWrite
+    from tests.transfer.test_shutdown import bounded
+
+    s = FileStorage(tmp_path / "store", SUFFIX, NB, write_threads=2)
+    keys = [f"{i:064x}" for i in (1, 2)]
+    hung = HungWrite(s, keys[1] + SUFFIX, monkeypatch)
+    results: list = []
+    writer = threading.Thread(target=lambda: results.append(s.batch_set(keys, [page(1), page(2)])), daemon=True)
+    writer.start()
+    hung.wait_stuck()
+    with capture_logs() as logs:
+        abandoned = bounded(lambda: s.close(timeout=0.05))
+    assert abandoned == [keys[1] + SUFFIX]
+    (ev,) = [e for e in logs if e["event"] == "file_storage.close_abandoned"]
+    assert ev["log_level"] == "error" and ev["pages"] == abandoned
+    hung.release()
+    writer.join(10)
+    assert results == [[True, False]]  # the hung page failed when it came back; its temp file is gone
+    assert s.writes_in_flight() == [] and s.close(timeout=0) == []
+    assert sorted(os.listdir(tmp_path / "store")) == [keys[0] + SUFFIX + ".bin"]
+
+
+def test_close_without_writes_in_flight_returns_nothing_and_checks_its_timeout(tmp_path):
+    s = FileStorage(tmp_path / "store", SUFFIX, NB)
+    assert s.batch_set([f"{i:064x}" for i in (1, 2)], [page(1), page(2)]) == [True, True]
+    for bad in (-1, float("nan"), "1", True):
+        with pytest.raises(ValueError):
+            s.close(timeout=bad)
+    assert s.close() == [] and s.close(timeout=None) == []
+    assert s.batch_set([f"{3:064x}", f"{4:064x}"], [page(3), page(4)]) == [True, True]  # new writers after close
+    assert s.close(timeout=1) == []

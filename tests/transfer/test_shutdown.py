@@ -166,3 +166,27 @@ def test_stack_close_takes_a_timeout_and_reports_a_stuck_copy():
     assert drain(stack.offloader.finished_writes, 1) == [7]
     with pytest.raises(ValueError):
         stack.close(timeout=-1)
+
+
+def test_stack_close_is_bounded_through_a_file_write_hung_in_the_filesystem(tmp_path, monkeypatch):
+    """reliability.md: ``TransferStack.close(timeout)`` bounds the whole shutdown wait. A file-store
+    write blocked in the kernel (a FIFO with no reader) is abandoned and named in the report."""
+    from tests.support.hung_fs import HungWrite
+
+    stack = build_stack(2, 2, 8, torch.bfloat16, PS, device_tokens=64, host_tokens=32, rows=4, max_len=64,
+                        storage=f"file:{tmp_path / 'store'}")
+    off, store = stack.offloader, stack.storage
+    tokens = list(range(1, 2 * PS + 1))
+    keys = hashing.page_hashes(tokens, PS)
+    hung = HungWrite(store, keys[1] + store.suffix, monkeypatch)
+    h = off.write(torch.arange(8, 8 + 2 * PS), 1)
+    assert drain(off.finished_writes, 1) == [1]
+    op = off.write_storage(h, tokens, keys)  # two pages: written by the store's writer threads
+    hung.wait_stuck()
+    report = bounded(lambda: stack.close(timeout=0.2))
+    assert not report.clean and report.abandoned_storage == [op]
+    assert report.abandoned_pages == [keys[1] + store.suffix] and "storage page writes" in report.reason
+    hung.release()
+    assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
+    off.free_host(h)
+    stack.host_pool.check_integrity()

@@ -20,7 +20,7 @@ import msgspec
 from transfer.log import get_logger
 import torch
 
-from transfer.errors import PageSizeMismatch
+from transfer.storage.checks import check_batch, check_store  # noqa: F401 (check_batch re-exported)
 from transfer.storage.integrity import (
     PageFormat, Verdict, check_keys, check_suffix, raw_format, seal, verify,
 )
@@ -79,9 +79,10 @@ class Storage(ABC):
             failed page does not stop the others (a backend may write them concurrently); each
             failure is counted and logged.
         Raises:
-            InvalidKey: a key that is not a page hash. ValueError: ``len(keys) != len(pages)``,
-            a page not a contiguous CPU tensor. PageSizeMismatch: a page of the wrong size.
-            All are raised before anything is written.
+            InvalidKey: a key that is not a page hash. InvalidPage (a ValueError):
+            ``len(keys) != len(pages)``, a page that is not a contiguous CPU tensor of a
+            byte-exact dtype (``checks.check_page``). PageSizeMismatch: a page of the wrong size.
+            All are raised before anything is written (``checks.check_batch``).
         """
 
     @abstractmethod
@@ -108,48 +109,18 @@ class Storage(ABC):
     def stats(self) -> StorageStats:
         """A snapshot of the counters."""
 
-    def close(self) -> None:
-        """Release resources (default: nothing)."""
+    def close(self, timeout: float | None = None) -> list[str]:
+        """Release resources, waiting at most ``timeout`` seconds (None: without bound) for page
+        writes in flight; a write still running then is abandoned, never waited on forever.
+
+        Returns:
+            The names of the page writes abandoned (default: nothing to wait for, ``[]``).
+        """
+        return []
 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def check_batch(keys: Sequence[str], pages: Sequence[torch.Tensor], page_nbytes: int | None) -> None:
-    """The arguments of a batch call, checked before anything is read or written.
-
-    Raises:
-        InvalidKey: a key that is not a page hash (64 lowercase hex characters).
-        ValueError: lengths differ, a page not a contiguous CPU tensor.
-        PageSizeMismatch: a page of another size than ``page_nbytes`` (when set).
-    """
-    if len(keys) != len(pages):
-        raise ValueError(f"{len(keys)} keys for {len(pages)} pages")
-    check_keys(keys)
-    for page in pages:
-        if not isinstance(page, torch.Tensor) or not page.is_contiguous() or page.device.type != "cpu":
-            raise ValueError("pages must be contiguous CPU tensors")
-        if page_nbytes is not None and _nbytes(page) != page_nbytes:
-            raise PageSizeMismatch(f"page of {_nbytes(page)} bytes, expected {page_nbytes}")
-
-
-def check_format(page_format: PageFormat | None, page_nbytes: int | None, itemsize: int | None) -> None:
-    """A declared page format must describe ``page_nbytes`` bytes (when both are given)."""
-    if page_format is None or page_nbytes is None or itemsize is None:
-        return
-    n = itemsize
-    for d in page_format.shape:
-        n *= d
-    if n != page_nbytes:
-        from transfer.errors import StorageConfigError
-
-        raise StorageConfigError(f"page format {page_format} is {n} bytes, page_nbytes is {page_nbytes}")
-
-
-def _itemsize(dtype_name: str) -> int | None:
-    dtype = getattr(torch, dtype_name, None)
-    return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else None
 
 
 class UnverifiedWarning:
@@ -180,7 +151,8 @@ class IndexedStorage(Storage):
         require_checksum: strict mode: a page without a seal is a miss (default: served, counted
             ``unverified``, warned once per store).
     Raises:
-        StorageConfigError: a bad suffix, or a format whose size is not ``page_nbytes``.
+        StorageConfigError: a bad suffix, a size that is not a positive int, or a format
+            ``checks.check_format`` refuses (not byte-exact, or not ``page_nbytes`` bytes).
     """
 
     def __init__(
@@ -194,9 +166,8 @@ class IndexedStorage(Storage):
         checksum: bool = True,
         require_checksum: bool = False,
     ) -> None:
+        check_store(page_nbytes, page_format, capacity_bytes=capacity_bytes, capacity_pages=capacity_pages)
         self.suffix, self.page_nbytes = check_suffix(suffix), page_nbytes
-        if page_format is not None:
-            check_format(page_format, page_nbytes, _itemsize(page_format.dtype))
         self.page_format, self.checksum, self.require_checksum = page_format, checksum, require_checksum
         self._index = LruIndex(capacity_bytes, capacity_pages)
         self._lock = threading.Lock()

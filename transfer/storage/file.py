@@ -30,13 +30,15 @@ import re
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 from transfer.log import get_logger
 import torch
 
 from transfer.errors import StorageUnavailable
 from transfer.storage.base import IndexedStorage, StorageStats
+from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, check_timeout
+from transfer.storage.checks import check_seconds, check_size
+from transfer.storage.writers import InFlight, WriterThreads
 from transfer.storage.integrity import PageFormat, Verdict, check_seal, decode_seal
 
 log = get_logger(__name__)
@@ -87,7 +89,10 @@ class FileStorage(IndexedStorage):
             ``PageFormat("page_first", dtype, host page shape)``.
     Raises:
         StorageUnavailable: the directory cannot be created or written.
-        StorageConfigError: a suffix that cannot be part of a file name.
+        StorageConfigError: a suffix that cannot be part of a file name; ``page_nbytes``,
+            a capacity or ``write_threads`` not a positive int; ``stale_temp_s`` negative or not
+            finite; a ``page_format`` that is not byte-exact or not ``page_nbytes`` bytes
+            (``transfer.storage.checks``). Nothing is created.
     """
 
     def __init__(
@@ -104,6 +109,8 @@ class FileStorage(IndexedStorage):
         write_threads: int = 2,
         page_format: PageFormat | None = None,
     ) -> None:
+        check_size("write_threads", write_threads, optional=False)
+        check_seconds("stale_temp_s", stale_temp_s)
         super().__init__(suffix, page_nbytes, capacity_bytes, capacity_pages, page_format=page_format,
                          checksum=checksum, require_checksum=require_checksum)
         self._stats = FileStorageStats()
@@ -111,7 +118,8 @@ class FileStorage(IndexedStorage):
         self.fsync = fsync
         self._page_re, self._temp_re = name_patterns(self.suffix)
         self._warned_no_xattr = False
-        self._writers: ThreadPoolExecutor | None = None
+        self._writers: WriterThreads | None = None
+        self._in_flight = InFlight()
         self.write_threads = write_threads
         self._pool_lock = threading.Lock()
         try:
@@ -157,6 +165,10 @@ class FileStorage(IndexedStorage):
         final = self._path(name)
         tmp = os.path.join(self.directory, f".{name}.bin.{uuid.uuid4().hex}.tmp")
         data = memoryview(page.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        with self._in_flight.running(name):
+            self._write_file(tmp, final, data, seal_bytes)
+
+    def _write_file(self, tmp: str, final: str, data: memoryview, seal_bytes: bytes | None) -> None:
         try:
             with open(tmp, "wb", buffering=0) as f:
                 _write_all(f, data)
@@ -189,10 +201,10 @@ class FileStorage(IndexedStorage):
 
         return list(self._writers_get().map(one, items))
 
-    def _writers_get(self) -> ThreadPoolExecutor:
+    def _writers_get(self) -> WriterThreads:
         with self._pool_lock:
             if self._writers is None:
-                self._writers = ThreadPoolExecutor(self.write_threads, thread_name_prefix="kv-file-write")
+                self._writers = WriterThreads(self.write_threads, "kv-file-write")
             return self._writers
 
     def _set_seal(self, fd: int, value: bytes) -> None:
@@ -206,12 +218,36 @@ class FileStorage(IndexedStorage):
                 log.warning("file_storage.checksum_unsupported", directory=self.directory,
                             error=str(err))
 
-    def close(self) -> None:
-        """Stop the writer threads (if started)."""
+    def writes_in_flight(self) -> list[str]:
+        """Names of the pages being written now (on any thread), sorted. Never blocks."""
+        return self._in_flight.names()
+
+    def close(self, timeout: float | None = DEFAULT_CLOSE_TIMEOUT_S) -> list[str]:
+        """Stop the writer threads, waiting at most ``timeout`` seconds in all (default
+        ``DEFAULT_CLOSE_TIMEOUT_S``; None: until every write has ended) for the page writes in
+        flight. A write still running at the deadline (a filesystem call that hangs, as on a stuck
+        NFS server) cannot be cancelled: it is abandoned — its thread is a daemon thread left
+        behind, its temporary file is removed if it ever fails, and ``file_storage.close_abandoned``
+        is logged at ERROR. A later ``batch_set`` starts new writer threads.
+
+        Returns:
+            The names of the page writes abandoned (empty when all ended in time).
+        Raises:
+            ValueError: ``timeout`` negative or not a number.
+        """
+        check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._pool_lock:
             pool, self._writers = self._writers, None
         if pool is not None:
-            pool.shutdown(wait=True)
+            pool.close(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        abandoned = self._in_flight.wait(left)
+        if abandoned:
+            log.error("file_storage.close_abandoned", directory=self.directory, timeout=timeout,
+                      pages=abandoned, detail="page writes still running at the close deadline (a hung "
+                      "filesystem call cannot be cancelled); their threads are left behind")
+        return abandoned
 
     def _read(self, name: str, into: torch.Tensor) -> tuple[bool, bytes | None]:
         buf = into.reshape(-1).view(torch.uint8).numpy()

@@ -10,10 +10,11 @@ to SGLang (it reads exactly ``page_size * layers * heads * dim * itemsize`` byte
 Instead each page we write gets a second, 104-byte object, ``{prefix}_{hash}_{tp}_kvlp``: the seal
 of ``transfer.storage.integrity`` over the whole page (name, format, XXH3-128 of K||V). The seal
 goes in the same ``batch_put_from`` as the page objects (per-object cost dominates small pages),
-and a page whose seal write failed has its objects removed again, so no page of ours stays
+and a page whose seal write failed has the objects that write created removed again, so no page of ours stays
 without its seal (a reader in between sees a complete page without one: served as unverified, or
 a miss in strict mode — never wrong bytes). A read fetches the objects and the seal in one batch and
-serves the page only when the seal verifies; a corrupt page is a miss and is removed. A page with
+serves the page only when the seal verifies; a corrupt page is a miss and nothing of it is removed
+(bytes that fail our seal are not provably ours: ``mooncake_owned``). A page with
 no seal (written by SGLang) is served and counted ``unverified`` (a warning the first time), or
 is a miss with ``require_checksum``. Costs: one more object per page on the master and in each
 read/write batch (~104 bytes); and two nodes racing to write the same new page may pair one's
@@ -32,12 +33,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 import torch
 
-from transfer.errors import StorageConfigError, StorageUnavailable
+from transfer.errors import InvalidPage, StorageConfigError, StorageUnavailable
 from transfer.log import get_logger
 from transfer.storage import mooncake_conn as conn
-from transfer.storage.base import Storage, StorageStats, check_batch
+from transfer.storage.base import Storage, StorageStats
+from transfer.storage.checks import check_batch, check_store
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import SEAL_NBYTES, PageFormat, Verdict, check_keys, seal, verify
+from transfer.storage.mooncake_owned import MooncakeOwnership
 from transfer.storage.mooncake_session import ClientSession, tracked
 from transfer.storage.identity import DeploymentIdentity
 from transfer.storage.mooncake_keys import MooncakeNaming
@@ -48,13 +51,15 @@ _SLOT = 128  # bytes per seal in a batch's seal buffer (>= SEAL_NBYTES)
 
 class MooncakeStorageStats(StorageStats):
     """``StorageStats`` plus what Mooncake adds: pages lost with a dead replica holder
-    (``holder_gone``) and pages refused for lack of space (``no_space``)."""
+    (``holder_gone``), pages refused for lack of space (``no_space``) and pages whose evicted seal
+    ``batch_set`` stored again after checking their bytes (``resealed``)."""
 
     holder_gone: int = 0
     no_space: int = 0
+    resealed: int = 0
 
 
-class MooncakeStorage(ClientSession, Storage):
+class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
     """Pages in a Mooncake store (see the module docstring for objects and integrity).
 
     Args:
@@ -86,10 +91,12 @@ class MooncakeStorage(ClientSession, Storage):
     # Until the master drops a dead holder (its client_ttl, 10 s by default) a read picks one replica
     # at random and fails (TRANSFER_FAIL) when it is the dead one: such objects are read again.
     READ_RETRIES = 2
+    _SLOT, _SEAL_NBYTES = _SLOT, SEAL_NBYTES
 
     def __init__(self, settings: conn.MooncakeSettings, suffix: str = "", page_nbytes: int | None = None,
                  *, identity: DeploymentIdentity | None = None, page_format: PageFormat | None = None,
                  require_checksum: bool = False) -> None:
+        check_store(page_nbytes, page_format)
         conn.import_store()
         if require_checksum and not settings.require_checksum:
             settings = msgspec.structs.replace(settings, require_checksum=True)
@@ -101,6 +108,8 @@ class MooncakeStorage(ClientSession, Storage):
         self.settings, self.identity, self.page_nbytes = settings, identity, page_nbytes
         self.suffix = identity.file_suffix
         self.naming = MooncakeNaming.of(identity)
+        if page_nbytes is not None and page_nbytes % self.naming.kinds:
+            raise StorageConfigError(f"an MHA page must split into equal K and V halves, got page_nbytes={page_nbytes}")
         self.page_format = page_format
         self.url = f"mooncake://{settings.master}"
         self.breaker = CircuitBreaker(self.url)
@@ -145,46 +154,75 @@ class MooncakeStorage(ClientSession, Storage):
     def _format(self, page: torch.Tensor) -> PageFormat:
         return self.page_format if self.page_format is not None else PageFormat.raw(page)
 
-    def _slices(self, page: torch.Tensor) -> list[tuple[int, int]]:
-        """(pointer, size) of each object of ``page``: K and V halves, or the whole MLA page."""
+    def _check(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> None:
+        """``checks.check_batch``, and every page splits into its objects (MHA: equal K and V)."""
+        check_batch(keys, pages, self.page_nbytes)
         kinds = self.naming.kinds
-        nbytes = page.numel() * page.element_size()
-        if nbytes % kinds:
-            raise ValueError(f"an MHA page must split into equal K and V halves, got {nbytes} bytes")
-        part = nbytes // kinds
+        for page in pages:
+            if (page.numel() * page.element_size()) % kinds:
+                raise InvalidPage(f"an MHA page must split into equal K and V halves, "
+                                  f"got {page.numel() * page.element_size()} bytes")
+
+    def _slices(self, page: torch.Tensor) -> list[tuple[int, int]]:
+        """(pointer, size) of each object of ``page`` (checked by ``_check``): K and V halves, or
+        the whole MLA page."""
+        kinds = self.naming.kinds
+        part = page.numel() * page.element_size() // kinds
         return [(page.data_ptr() + i * part, part) for i in range(kinds)]
 
     # -- Storage --------------------------------------------------------------------------------
     @tracked
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
-        """See ``Storage.batch_set``. Pages whose objects all exist are skipped (first writer wins,
-        as in SGLang). Raises ``StorageUnavailable`` when the master is away (nothing written)."""
-        check_batch(keys, pages, self.page_nbytes)
+        """See ``Storage.batch_set``. Pages whose objects (and, when sealing, seal) all exist are
+        skipped (first writer wins, as in SGLang). A page whose K/V exist without its seal (the
+        seal evicted) gets the seal back when the K/V bytes are this page's, else it is someone
+        else's page and stays untouched (False, ``foreign``): ``mooncake_owned``. Raises
+        ``StorageUnavailable`` when the master is away (nothing written)."""
+        self._check(keys, pages)
         results = [False] * len(keys)
         if not keys:
             return results
         store = self._require("set")
+        sealed = self.settings.seal
         objects = [self.naming.objects(k) for k in keys]
-        codes = store.batch_is_exist([o for objs in objects for o in objs])
+        names = []
+        for key, objs in zip(keys, objects):
+            names += objs + ([self.naming.seal_object(key)] if sealed else [])
+        codes = store.batch_is_exist(names)
         if not self._outcome(codes, "exists before set"):
             raise StorageUnavailable(f"mooncake storage at {self.url} is unreachable (set)")
-        kinds = self.naming.kinds
-        todo = []
+        kinds, step = self.naming.kinds, self.naming.kinds + int(sealed)
+        todo, reseal = [], []
         for i in range(len(keys)):
-            if all(c == 1 for c in codes[i * kinds:(i + 1) * kinds]):
-                results[i] = True
-            else:
+            page_codes = codes[i * step:(i + 1) * step]
+            if not all(c == 1 for c in page_codes[:kinds]):
                 todo.append(i)
-        self._count(skipped=len(keys) - len(todo))
+            elif sealed and page_codes[kinds] != 1:
+                reseal.append(i)
+            else:
+                results[i] = True
+        self._count(skipped=len(keys) - len(todo) - len(reseal))
+        if reseal:
+            for i, ok in zip(reseal, self._reseal(store, keys, pages, reseal)):
+                results[i] = ok
         if todo:
-            for i, ok in zip(todo, self._put_pages(store, keys, pages, objects, todo)):
+            existed = {i: [c == 1 for c in codes[i * step:i * step + kinds]] for i in todo}
+            for i, ok in zip(todo, self._put_pages(store, keys, pages, objects, todo, existed)):
                 results[i] = ok
         return results
 
-    def _put_pages(self, store, keys, pages, objects, todo: list[int]) -> list[bool]:
+    def _seal_into(self, seals: torch.Tensor, j: int, key: str, page: torch.Tensor) -> None:
+        """Write page ``key``'s seal into slot ``j`` of the seal buffer ``seals``."""
+        data = page.reshape(-1).view(torch.uint8).numpy()
+        stamp = seal(self.naming.page_name(key), self._format(page), data)
+        seals.numpy()[j * _SLOT:j * _SLOT + SEAL_NBYTES] = memoryview(stamp)
+
+    def _put_pages(self, store, keys, pages, objects, todo: list[int], existed: dict[int, list[bool]]) -> list[bool]:
         """One ``batch_put_from`` of every page's objects, each page's seal object with them
         (one round of transfers: per-object cost dominates small pages). A page whose seal was
-        not stored has its objects removed again, so no page of ours stays without a seal."""
+        not stored has the objects this put created removed again — never one that ``existed``
+        before it (someone else's: Mooncake's put keeps an existing object and still answers
+        ``OK``) — so no page of ours stays without a seal."""
         seals = torch.zeros(len(todo) * _SLOT, dtype=torch.uint8)
         sealed = self.settings.seal
         groups, ptrs, sizes = [], [], []
@@ -192,9 +230,7 @@ class MooncakeStorage(ClientSession, Storage):
             group = list(objects[i])
             slices = self._slices(pages[i])
             if sealed:
-                data = pages[i].reshape(-1).view(torch.uint8).numpy()
-                stamp = seal(self.naming.page_name(keys[i]), self._format(pages[i]), data)
-                seals.numpy()[j * _SLOT:j * _SLOT + SEAL_NBYTES] = memoryview(stamp)
+                self._seal_into(seals, j, keys[i], pages[i])
                 group.append(self.naming.seal_object(keys[i]))
                 slices.append((seals.data_ptr() + j * _SLOT, SEAL_NBYTES))
             groups.append(group)
@@ -206,11 +242,10 @@ class MooncakeStorage(ClientSession, Storage):
         if sealed:
             pos = 0
             for j, group in enumerate(groups):
-                *page_codes, seal_code = codes[pos:pos + len(group)]
+                group_codes = codes[pos:pos + len(group)]
                 pos += len(group)
-                if not ok[j] and seal_code not in (conn.OK, conn.EXISTS) and any(
-                        c in (conn.OK, conn.EXISTS) for c in page_codes):
-                    self._remove(store, keys[todo[j]])
+                if not ok[j] and group_codes[-1] not in (conn.OK, conn.EXISTS):
+                    self._remove_created(store, group[:-1], group_codes[:-1], existed[todo[j]])
         self._count(stored=sum(ok))
         return ok
 
@@ -233,7 +268,7 @@ class MooncakeStorage(ClientSession, Storage):
     def batch_get(self, keys: Sequence[str], into: Sequence[torch.Tensor]) -> list[bool]:
         """See ``Storage.batch_get``: a page is served only when all its objects were read in full
         and (when sealed) its seal verifies. The master away: all misses, without blocking."""
-        check_batch(keys, into, self.page_nbytes)
+        self._check(keys, into)
         if not keys:
             return []
         store = self._usable("get")
@@ -285,11 +320,9 @@ class MooncakeStorage(ClientSession, Storage):
             elif seal_code >= 0:
                 verdict = Verdict.CORRUPT  # a seal object of another size
         buf.zero_()
-        if verdict is not None:
+        if verdict is not None:  # nothing is removed: bytes that fail our seal are not provably ours
             self._count(**{verdict.value: 1})
             log.error("mooncake.page_refused", name=self.naming.page_name(key), verdict=verdict.value)
-            if verdict is Verdict.CORRUPT:
-                self._remove(store, key)
         return False
 
     def _unverified(self, key: str) -> None:
@@ -346,12 +379,6 @@ class MooncakeStorage(ClientSession, Storage):
             return store.batch_is_exist(names)
         finally:
             self._exists_busy.release()
-
-    def _remove(self, store, key: str) -> int:
-        removed = 0
-        for name in self.naming.objects(key) + [self.naming.seal_object(key)]:
-            removed += int(store.remove(name, True) == 0)
-        return removed
 
     @tracked
     def delete(self, key: str) -> bool:

@@ -51,7 +51,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.log import get_logger
-from transfer.storage.base import Storage, StorageStats, check_batch
+from transfer.storage.base import Storage, StorageStats
+from transfer.storage.checks import check_batch, check_seconds, check_size, check_store, check_ttl
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import (
     SEAL_NBYTES, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, raw_format, seal,
@@ -93,7 +94,10 @@ class RedisStorage(RedisReads, Storage):
         breaker: the circuit breaker guarding the server (None: a new one, 0.5 s first backoff).
         client: a ready ``redis.Redis`` (tests); ``url`` is then only used in messages.
     Raises:
-        StorageConfigError (a ValueError): a bad URL, suffix, ttl, format or pipeline size.
+        StorageConfigError (a ValueError): a bad URL or suffix; ``ttl_s`` not a finite number in
+            ``[0.001 s, 10 years]``; a size that is not a positive int; a timeout not finite and
+            positive; a ``page_format`` not byte-exact or not ``page_nbytes`` bytes
+            (``transfer.storage.checks``). Raised before connecting.
         StorageUnavailable: ``check`` and the server is unreachable.
     """
 
@@ -115,15 +119,15 @@ class RedisStorage(RedisReads, Storage):
         breaker: CircuitBreaker | None = None,
         client: redis.Redis | None = None,
     ) -> None:
-        if ttl_s is not None and not ttl_s > 0:
-            raise StorageConfigError(f"ttl_s must be > 0 or None, got {ttl_s!r}")
-        if pipeline_bytes < 1:
-            raise StorageConfigError(f"pipeline_bytes must be >= 1, got {pipeline_bytes}")
+        self.ttl_ms = check_ttl(ttl_s)
+        check_store(page_nbytes, page_format, capacity_bytes=capacity_bytes, capacity_pages=capacity_pages,
+                    pipeline_bytes=check_size("pipeline_bytes", pipeline_bytes, optional=False))
+        check_seconds("connect_timeout_s", connect_timeout_s, low=1e-3, high=3600)
+        check_seconds("socket_timeout_s", socket_timeout_s, low=1e-3, high=3600)
         if client is None:
             check_url(url)
         self.suffix, self.page_nbytes, self.key_prefix = check_suffix(suffix), page_nbytes, key_prefix
         self.url = redact(url)
-        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.page_format = page_format
         self.pipeline_bytes = pipeline_bytes
         self.breaker = breaker if breaker is not None else CircuitBreaker(self.url)
@@ -340,12 +344,14 @@ class RedisStorage(RedisReads, Storage):
             s.pages, s.bytes = len(self._index), self._index.bytes
         return s
 
-    def close(self) -> None:
-        """Close the client's connections. Idempotent."""
+    def close(self, timeout: float | None = None) -> list[str]:
+        """Close the client's connections (no wait: a write in flight holds its own connection,
+        bounded by ``socket_timeout_s``). Idempotent. Returns ``[]`` (nothing abandoned here)."""
         try:
             self._client.close()
         except RedisError:
             pass
+        return []
 
 
 def _reason(err: BaseException) -> str:

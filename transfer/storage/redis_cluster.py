@@ -8,13 +8,13 @@ Everything about a page — key, value (seal + bytes), ``SET NX``, verification,
 * a batch's packed ``SET`` commands (one buffer, see ``redis_wire``) are split by the key's hash
   slot into one pipeline per primary owning those slots, each sent with one write and read back
   in order; a ``MOVED`` reply (slots migrated) refreshes the slot map and resends those commands
-  once;
+  once; an ``ASK`` reply (the slot is migrating) resends that command behind ``ASKING`` to the
+  node named, without touching the slot map (``redis_ask``, per the Redis Cluster spec);
 * a batch's ``GET`` commands are split the same way, one pipeline per primary, each read straight
-  into the page tensors (``redis_reader``), ``MOVED``/``ASK`` replies re-asked once after a slot
-  map refresh;
+  into the page tensors (``redis_reader``); ``MOVED`` and ``ASK`` are handled as for writes;
 * other batches (existence checks, deletes) go through redis-py's cluster pipeline, which groups
-  commands by node the same way; multi-key ``DELETE`` is sent key by key (keys of a batch live in
-  different slots).
+  commands by node the same way and follows ``MOVED``/``ASK`` itself; multi-key ``DELETE`` is sent
+  key by key (keys of a batch live in different slots).
 
 A node that cannot be reached makes the whole call ``StorageUnavailable`` and counts against the
 one circuit breaker of the store (the cluster is one tier). Keys are spread by their hash slot:
@@ -24,16 +24,18 @@ one circuit breaker of the store (the cluster is one tier). Keys are spread by t
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import AskError, ClusterError, RedisClusterException, RedisError
+from redis.exceptions import AskError, ClusterError, MovedError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.storage.redis import RedisStorage, check_url, redact
+from transfer.storage.redis_ask import ask_node, deliver, get_asking, send_asking
 from transfer.storage.redis_wire import send_and_read
 
 CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss://",
@@ -126,26 +128,39 @@ class RedisClusterStorage(RedisStorage):
         except (ClusterError, RedisClusterException) as err:  # cluster down / slot not served
             raise RedisConnectionError(str(err)) from err
 
+    def _by_node(self, names: Sequence[bytes], pending: list[int]) -> dict:
+        """``pending`` indices grouped by the primary the slot map names for ``names[i]``."""
+        by_node = defaultdict(list)
+        try:
+            for i in pending:
+                by_node[self._client.get_node_from_key(names[i])].append(i)
+        except (ClusterError, RedisClusterException) as err:
+            raise RedisConnectionError(str(err)) from err
+        return by_node
+
     def _write_wire(self, payload: memoryview, n: int) -> list:
-        """The packed ``SET`` commands, one pipeline per primary owning their slots; ``MOVED``
-        replies refresh the slot map and are resent once."""
+        """The packed ``SET`` commands, one pipeline per primary owning their slots. ``ASK``: the
+        command again behind ``ASKING`` to the node named, slot map unchanged (``redis_ask``);
+        ``MOVED``: the slot map refreshed and the command resent once."""
         commands = split_commands(payload, n)
+        keys = [key for _, _, key in commands]
         replies: list = [None] * n
         pending = list(range(n))
         for attempt in range(2):
-            by_node = defaultdict(list)
-            try:
-                for i in pending:
-                    by_node[self._client.get_node_from_key(commands[i][2])].append(i)
-            except (ClusterError, RedisClusterException) as err:
-                raise RedisConnectionError(str(err)) from err
-            moved = []
-            for node, idxs in by_node.items():
+            moved, asked = [], defaultdict(list)
+            for node, idxs in self._by_node(keys, pending).items():
                 part = b"".join(payload[commands[i][0]:commands[i][1]] for i in idxs)
                 for i, reply in zip(idxs, send_and_read(self._client.get_redis_connection(node), memoryview(part),
                                                         len(idxs))):
                     replies[i] = reply
-                    if isinstance(reply, AskError):  # MovedError too (its text no longer says MOVED)
+                    _sort(reply, i, moved, asked)
+            for idxs in asked.values():
+                target = ask_node(self._client, replies[idxs[0]])
+                resent = send_asking(self._client.get_redis_connection(target),
+                                     [payload[commands[i][0]:commands[i][1]] for i in idxs])
+                for i, reply in zip(idxs, resent):
+                    replies[i] = reply
+                    if isinstance(reply, MovedError):  # the migration ended meanwhile
                         moved.append(i)
             if not moved or attempt:
                 break
@@ -154,33 +169,47 @@ class RedisClusterStorage(RedisStorage):
         return replies
 
     def _read_wire(self, names: list[bytes], dests: list, on_reply) -> list:
-        """The ``GET`` commands, one pipeline per primary owning their slots, read into ``dests``;
-        ``MOVED``/``ASK`` replies refresh the slot map and are asked again once."""
+        """The ``GET`` commands, one pipeline per primary owning their slots, read into ``dests``.
+        ``ASK``: asked again behind ``ASKING`` at the node named, slot map unchanged
+        (``redis_ask``); ``MOVED``: the slot map refreshed and asked again once."""
         replies: list = [None] * len(names)
         pending = list(range(len(names)))
         for attempt in range(2):
-            by_node = defaultdict(list)
-            try:
-                for i in pending:
-                    by_node[self._client.get_node_from_key(names[i])].append(i)
-            except (ClusterError, RedisClusterException) as err:
-                raise RedisConnectionError(str(err)) from err
-            moved = []
+            moved, asked = [], defaultdict(list)
 
             def forward(k, reply, head, idxs=None):
                 i = idxs[k]
                 replies[i] = reply
-                if isinstance(reply, AskError) and not attempt:
+                if isinstance(reply, MovedError) and not attempt:
                     moved.append(i)  # asked again below, not reported
+                elif isinstance(reply, AskError) and not isinstance(reply, MovedError):
+                    asked[reply.node_addr].append(i)  # asked at the named node below
                 else:
                     on_reply(i, reply, head)
 
-            for node, idxs in by_node.items():
+            for node, idxs in self._by_node(names, pending).items():
                 self._reader.get_into(self._client.get_redis_connection(node), [names[i] for i in idxs],
                                       self.ttl_ms, [dests[i] for i in idxs],
                                       lambda k, r, h, idxs=idxs: forward(k, r, h, idxs))
+            for idxs in asked.values():
+                target = ask_node(self._client, replies[idxs[0]])
+                values = get_asking(self._client.get_redis_connection(target), [names[i] for i in idxs], self.ttl_ms)
+                for i, value in zip(idxs, values):
+                    if isinstance(value, MovedError) and not attempt:
+                        replies[i] = value
+                        moved.append(i)
+                    else:
+                        replies[i] = deliver(i, value, dests[i], self._reader.head_nbytes, on_reply)
             if not moved:
                 break
             self._client.nodes_manager.initialize()
             pending = moved
         return replies
+
+
+def _sort(reply, i: int, moved: list[int], asked: dict) -> None:
+    """File command ``i`` under ``moved`` (a ``MOVED`` reply) or ``asked`` by node (``ASK``)."""
+    if isinstance(reply, MovedError):
+        moved.append(i)
+    elif isinstance(reply, AskError):
+        asked[reply.node_addr].append(i)

@@ -11,7 +11,7 @@ import xxhash
 
 from transfer.errors import StorageUnavailable
 from transfer.log import get_logger
-from transfer.storage.base import check_batch
+from transfer.storage.checks import check_batch
 from transfer.storage.integrity import MAGIC, SEAL_NBYTES, SEAL_VERSION, Verdict, name_fingerprint, raw_format, seal, verify
 
 log = get_logger("transfer.storage.redis")

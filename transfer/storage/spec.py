@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from transfer.errors import StorageConfigError
 from transfer.storage.base import Storage
 from transfer.storage.identity import IDENTITY_OPTIONS, PAGE_FIRST, DeploymentIdentity, identity_changes
+from transfer.storage.checks import check_sizes, check_ttl
 from transfer.storage.integrity import PageFormat
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
@@ -116,10 +117,13 @@ def open_storage(
     Raises:
         ValueError: an unknown spec. StorageConfigError (a ValueError): a bad URL (e.g. a
             non-numeric database), suffix, identity or format; a deployment a tier cannot name the
-            way SGLang does (one line).
+            way SGLang does (one line); a ``ttl_s`` out of range, a ``page_nbytes`` or
+            ``capacity_bytes`` that is not a positive int (any tier, before anything is opened).
         StorageUnavailable: the directory is not writable, or the server does not answer (a
             one-line message naming the URL and the reason).
     """
+    check_ttl(ttl_s)  # every tier: a bad expiry or bound is refused even where it is not used
+    check_sizes(page_nbytes=page_nbytes, capacity_bytes=capacity_bytes)
     spec, identity = resolve_identity(spec, suffix, identity, page_format)
     if identity is not None:
         suffix = identity.file_suffix

@@ -1,0 +1,160 @@
+"""``transfer/storage/redis_ask.py``: Redis Cluster ``ASK`` redirections on a real 3-master cluster
+(started by the test kit) with hash slots really migrating (``CLUSTER SETSLOT ... MIGRATING`` /
+``IMPORTING``, ``MIGRATE``) while pages are written and read.
+
+Written from docs/storage.md ("a ``MOVED``/``ASK`` reply ... resends those commands") and the Redis
+Cluster specification: ``ASK`` means this one command goes, behind ``ASKING``, to the node named,
+and the slot map is left as it is; ``MOVED`` (the migration finished) refreshes the map.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+
+import torch
+from redis.crc import key_slot
+
+from lifecycle_tools.testkit.redis_cluster import SLOTS, redis_cluster  # noqa: F401 (fixture)
+from transfer import open_storage
+from transfer.storage.integrity import PageFormat
+
+NB = 256
+FMT = PageFormat.of("raw", torch.uint8, (NB,))
+SUFFIX = "_m_0_1"
+_n = itertools.count()
+
+
+def page(i: int) -> torch.Tensor:
+    return torch.full((NB,), i % 251, dtype=torch.uint8)
+
+
+def keys_of_node(index: int, masters: int, n: int) -> list[str]:
+    """``n`` fresh page hashes whose names fall in slots of primary ``index`` (the kit spreads
+    slots evenly: primary i serves [i*SLOTS/m, (i+1)*SLOTS/m))."""
+    lo, hi = index * SLOTS // masters, (index + 1) * SLOTS // masters
+    out = []
+    while len(out) < n:
+        h = hashlib.sha256(f"ask-{time.time_ns()}-{next(_n)}".encode()).hexdigest()
+        if lo <= key_slot((h + SUFFIX).encode()) < hi:
+            out.append(h)
+    return out
+
+
+def slot_of(h: str) -> int:
+    return key_slot((h + SUFFIX).encode())
+
+
+class Migration:
+    """Slots moving from ``src`` to ``dst`` as ``redis-cli --cluster reshard`` moves them."""
+
+    def __init__(self, cluster, src, dst, slots: set[int]) -> None:
+        self.cluster, self.src, self.dst, self.slots = cluster, src, dst, sorted(slots)
+        self.src_id = src.command("CLUSTER", "MYID").decode()
+        self.dst_id = dst.command("CLUSTER", "MYID").decode()
+
+    def begin(self) -> None:
+        for slot in self.slots:
+            self.dst.command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.src_id)
+            self.src.command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.dst_id)
+
+    def move(self, names: list[str]) -> None:
+        """``MIGRATE`` these keys to the destination (one not on the source answers NOKEY)."""
+        for name in names:
+            self.src.command("MIGRATE", "127.0.0.1", self.dst.port, "", 0, 5000, "KEYS", name)
+
+    def move_all(self) -> None:
+        for slot in self.slots:
+            while True:
+                names = self.src.command("CLUSTER", "GETKEYSINSLOT", slot, 100)
+                if not names:
+                    break
+                self.src.command("MIGRATE", "127.0.0.1", self.dst.port, "", 0, 5000, "KEYS", *names)
+
+    def end(self) -> None:
+        """The slots now belong to the destination, told to every node (destination first)."""
+        nodes = [self.dst, self.src] + [n for n in self.cluster.nodes if n not in (self.src, self.dst)]
+        for slot in self.slots:
+            for node in nodes:
+                node.command("CLUSTER", "SETSLOT", slot, "NODE", self.dst_id)
+
+
+def test_pages_are_written_and_read_through_ask_while_slots_migrate(redis_cluster):
+    src, dst = redis_cluster.nodes[0], redis_cluster.nodes[1]
+    old, new = keys_of_node(0, len(redis_cluster.nodes), 6), keys_of_node(0, len(redis_cluster.nodes), 6)
+    s = open_storage(redis_cluster.url, SUFFIX, NB, page_format=FMT)
+    migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in old + new})
+    try:
+        assert s.batch_set(old, [page(i) for i in range(6)]) == [True] * 6  # all on the source
+        migration.begin()
+        migration.move([h + SUFFIX for h in old[:3]])  # half of them now live on the destination
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(6)]
+        assert s.batch_get(old, out) == [True] * 6  # moved ones answered through ASK
+        assert all(torch.equal(o, page(i)) for i, o in enumerate(out))
+        assert s.batch_exists(old) == 6
+        # new pages in a migrating slot: the source does not have them -> ASK -> the destination
+        assert s.batch_set(new, [page(10 + i) for i in range(6)]) == [True] * 6
+        assert sum(dst.command("CLUSTER", "COUNTKEYSINSLOT", slot) for slot in migration.slots) == 9
+        assert s.batch_get(new, out) == [True] * 6
+        assert all(torch.equal(o, page(10 + i)) for i, o in enumerate(out))
+        assert s.batch_set(old + new, [page(99)] * 12) == [True] * 12 and s.stats().skipped == 12  # first writer wins
+        # ASK changed no slot map: the client still names the source for every migrating slot
+        assert {s._client.get_node_from_key((h + SUFFIX).encode()).port for h in old + new} == {src.port}
+        assert s.stats().errors == 0 and s.stats().corrupt == 0
+    finally:
+        migration.move_all()
+        migration.end()
+    out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(12)]
+    assert s.batch_get(old + new, out) == [True] * 12  # MOVED: the map refreshed, every page found
+    assert all(torch.equal(o, page(i if i < 6 else 4 + i)) for i, o in enumerate(out))
+    assert {s._client.get_node_from_key((h + SUFFIX).encode()).port for h in old + new} == {dst.port}
+    s.close()
+
+
+def test_writers_and_readers_never_miss_while_keys_migrate_one_by_one(redis_cluster):
+    """Writes and reads run on a thread while the main thread migrates the slots' keys one by one
+    and then ends the migration: every write is stored and every page written is read back."""
+    src, dst = redis_cluster.nodes[2], redis_cluster.nodes[0]
+    keys = keys_of_node(2, len(redis_cluster.nodes), 24)
+    first, later = keys[:8], keys[8:]
+    s = open_storage(redis_cluster.url, SUFFIX, NB, page_format=FMT)
+    migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in keys})
+    failures: list = []
+    stop = threading.Event()
+    assert s.batch_set(first, [page(i) for i in range(8)]) == [True] * 8
+
+    def run() -> None:
+        written = list(first)
+        todo = list(later)
+        while not stop.is_set() or todo:
+            if todo:
+                batch, todo = todo[:2], todo[2:]
+                got = s.batch_set(batch, [page(keys.index(h)) for h in batch])
+                if got != [True] * len(batch):
+                    failures.append(("set", batch, got))
+                written += batch
+            out = [torch.zeros(NB, dtype=torch.uint8) for _ in written]
+            got = s.batch_get(written, out)
+            bad = [h for h, ok, o in zip(written, got, out) if not ok or not torch.equal(o, page(keys.index(h)))]
+            if bad:
+                failures.append(("get", bad))
+            if s.batch_exists(written) != len(written):
+                failures.append(("exists", len(written)))
+
+    worker = threading.Thread(target=run, daemon=True)
+    try:
+        migration.begin()
+        worker.start()
+        for h in first:
+            migration.move([h + SUFFIX])
+        migration.move_all()
+        migration.end()
+    finally:
+        stop.set()
+        worker.join(60)
+    assert not worker.is_alive()
+    assert failures == []
+    assert s.stats().errors == 0
+    s.close()

@@ -1,0 +1,93 @@
+"""What a Mooncake store may repair or remove: only what it wrote and can prove it wrote.
+
+Mooncake's object names are SGLang's, so an object under one of our page names may be SGLang's (or
+another writer's): written after Mooncake evicted ours, while our seal object stayed. So
+
+* a page whose bytes do not match our seal is a miss, and nothing is removed — those bytes are
+  not provably ours (they may be another writer's page, which it still reads);
+* a page write that fails half-way removes only the objects that *this* put created: stored
+  (``OK``) and absent from the existence check just before the put — never one that already
+  existed (someone else's; Mooncake's put keeps an existing object and still answers ``OK``). An
+  object another writer creates between that check and our put is indistinguishable from ours
+  (Mooncake has no conditional remove): a window of one round trip;
+* a page whose K/V objects exist but whose seal was evicted gets its seal back on ``batch_set``,
+  after the K/V objects are read and found byte-identical to the page being written (then they
+  are provably the bytes this seal describes); otherwise the page is someone else's and is left
+  alone (``batch_set`` reports False, counted ``foreign``).
+
+A mixin of ``MooncakeStorage`` (uses its naming, buffers, counters and seal packing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from transfer.log import get_logger
+from transfer.storage import mooncake_conn as conn
+
+log = get_logger("transfer.storage.mooncake")
+
+
+class MooncakeOwnership:
+    """``_remove_created`` and ``_reseal`` for ``MooncakeStorage``."""
+
+    def _remove_created(self, store, names: Sequence[str], codes: Sequence[int], existed: Sequence[bool]) -> int:
+        """Remove the objects of ``names`` this put created: code ``OK`` and not ``existed``
+        before it. Returns how many were removed."""
+        removed = 0
+        for name, code, was in zip(names, codes, existed):
+            if code == conn.OK and not was:
+                removed += int(store.remove(name, True) == 0)
+        return removed
+
+    def _reseal(self, store, keys: Sequence[str], pages: Sequence[torch.Tensor], idx: list[int]) -> list[bool]:
+        """Pages ``idx`` have every K/V object but no seal: read the objects back; where they are
+        byte-identical to ``pages[i]``, store the seal again (``resealed``); elsewhere leave them
+        (``foreign``). Returns, per page of ``idx``, whether our page is stored afterwards."""
+        sizes_of = [pages[i].numel() * pages[i].element_size() for i in idx]
+        scratch = torch.empty(sum(sizes_of), dtype=torch.uint8)
+        names, ptrs, sizes, starts, pos = [], [], [], [], 0
+        kinds = self.naming.kinds
+        for i, nbytes in zip(idx, sizes_of):
+            starts.append(pos)
+            part = nbytes // kinds
+            for k, name in enumerate(self.naming.objects(keys[i])):
+                names.append(name), ptrs.append(scratch.data_ptr() + pos + k * part), sizes.append(part)
+            pos += nbytes
+        with self._buffers.registered([scratch]):
+            codes = store.batch_get_into(names, ptrs, sizes)
+        self._outcome(codes, "read before reseal")
+        ours = []
+        for j, (i, nbytes) in enumerate(zip(idx, sizes_of)):
+            whole = all(c == nbytes // kinds for c in codes[j * kinds:(j + 1) * kinds])
+            same = whole and torch.equal(scratch[starts[j]:starts[j] + nbytes],
+                                         pages[i].reshape(-1).view(torch.uint8))
+            if same:
+                ours.append(j)
+            else:
+                self._count(foreign=1)
+                log.warning("mooncake.not_ours", name=self.naming.page_name(keys[i]),
+                            detail="objects under this page name hold other bytes and no seal of ours: left alone")
+        results = [False] * len(idx)
+        if not ours:
+            return results
+        seals = torch.zeros(len(ours) * self._SLOT, dtype=torch.uint8)
+        seal_names, seal_ptrs = [], []
+        for n, j in enumerate(ours):
+            i = idx[j]
+            self._seal_into(seals, n, keys[i], pages[i])
+            seal_names.append(self.naming.seal_object(keys[i]))
+            seal_ptrs.append(seals.data_ptr() + n * self._SLOT)
+        with self._buffers.registered([seals]):
+            put = store.batch_put_from(seal_names, seal_ptrs, [self._SEAL_NBYTES] * len(ours), self._put_config)
+        self._outcome(put, "reseal")
+        for j, code in zip(ours, put):
+            if code in (conn.OK, conn.EXISTS):
+                results[j] = True
+            else:
+                self._count(errors=1)
+                log.error("mooncake.write_failed", name=seal_names[ours.index(j)], code=conn.code_name(code))
+        self._count(resealed=sum(results))
+        return results
