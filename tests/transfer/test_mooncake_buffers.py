@@ -13,6 +13,7 @@ import torch
 
 from lifecycle_tools.testkit.mooncake_server import mooncake_master, mooncake_session_master  # noqa: F401
 from transfer import open_storage
+from transfer.storage.identity import DeploymentIdentity
 from transfer.storage.mooncake_buffers import DEFAULT_MAX_KEPT, BufferRegistry
 
 NB = 1 << 20  # a page of exactly the size the registry keeps
@@ -42,7 +43,8 @@ class FakeClient:
 
 
 def test_fresh_big_tensors_per_call_stay_bounded_and_the_pool_stays_registered(mooncake_master):
-    s = open_storage(mooncake_master.spec(global_segment_size="128MiB"), "_m_0_1", NB)
+    s = open_storage(mooncake_master.spec(global_segment_size="128MiB"), page_nbytes=NB,
+                     identity=DeploymentIdentity(model_name="m"))
     try:
         pool = torch.zeros(4, NB, dtype=torch.uint8)  # a host pool: every call uses it
         buffers = s._buffers

@@ -15,8 +15,10 @@ from tests.transfer.test_mooncake_storage import (  # noqa: F401 (fixtures)
     MHA, NB, Counted, _replace, fresh_hashes, module_master, pages, raw, sglang_keys, shared_store, store,
 )
 from transfer import open_storage
+from transfer.storage.identity import DeploymentIdentity
 
 SUFFIX = "_org-tiny_1_2"
+TINY = DeploymentIdentity(model_name="org/tiny", tp_rank=1, tp_size=2)  # its file suffix is SUFFIX
 
 
 def objects(h: str) -> list[str]:
@@ -84,8 +86,8 @@ def test_a_failed_seal_write_removes_only_the_objects_it_created(store, raw, mon
 def test_strict_mode_finds_a_page_again_once_batch_set_restores_its_evicted_seal(store, raw, module_master):
     h = fresh_hashes(1)[0]
     page = pages(1, seed=13)[0]
-    strict = Counted(open_storage(module_master.spec(require_checksum=1, global_segment_size=0), SUFFIX, NB,
-                                  page_format=MHA))
+    strict = Counted(open_storage(module_master.spec(require_checksum=1, global_segment_size=0),
+                                  page_nbytes=NB, identity=TINY, page_format=MHA))
     try:
         assert store.batch_set([h], [page]) == [True] and strict.batch_exists([h]) == 1
         assert raw.remove(objects(h)[2], True) == 0  # Mooncake evicted the seal object only

@@ -24,10 +24,12 @@ from lifecycle_tools.testkit.redis_cluster import redis_cluster  # noqa: F401 (f
 from transfer import FileStorage, MemoryStorage, TransferError, open_storage
 from transfer.errors import InvalidPage, PageSizeMismatch, StorageConfigError, StorageError
 from transfer.storage.checks import BYTE_EXACT_DTYPES, MAX_TTL_S, check_ttl
+from transfer.storage.identity import DeploymentIdentity
 from transfer.storage.integrity import PageFormat
 
 NB = 64
 SUFFIX = "_m_0_1"
+IDENT = DeploymentIdentity(model_name="m")  # every tier is named for it; its file suffix is SUFFIX
 TIERS = ["memory", "file", "redis", "cluster", "mooncake"]
 _n = itertools.count()
 
@@ -73,7 +75,7 @@ def tier(request, tmp_path):
 
 @pytest.fixture
 def store(tier):
-    s = open_storage(tier, SUFFIX, NB)
+    s = open_storage(tier, SUFFIX, identity=IDENT, page_nbytes=NB)
     yield s
     s.close()
 
@@ -128,7 +130,7 @@ def test_views_a_tier_cannot_copy_are_refused_before_any_write(store):
                                  "5", True, [5]])
 def test_a_ttl_out_of_range_is_refused_by_every_tier_before_opening(tier, ttl, tmp_path):
     with pytest.raises(StorageConfigError, match="ttl_s"):
-        open_storage(tier, SUFFIX, NB, ttl_s=ttl)
+        open_storage(tier, SUFFIX, identity=IDENT, page_nbytes=NB, ttl_s=ttl)
     assert not os.path.exists(tmp_path / "store")
 
 
@@ -140,7 +142,7 @@ def test_ttl_bounds_are_whole_milliseconds():
 def test_redis_keeps_a_valid_ttl(redis_url):
     import redis
 
-    s = open_storage(redis_url, SUFFIX, NB, ttl_s=3600)
+    s = open_storage(redis_url, SUFFIX, identity=IDENT, page_nbytes=NB, ttl_s=3600)
     try:
         key = fresh(1)
         assert s.batch_set(key, [good()]) == [True]
@@ -160,14 +162,14 @@ def test_redis_keeps_a_valid_ttl(redis_url):
 def test_a_page_format_that_is_not_page_nbytes_of_a_byte_exact_dtype_is_refused_by_every_tier(tier, fmt, why,
                                                                                              tmp_path):
     with pytest.raises(StorageConfigError, match=why):
-        open_storage(tier, SUFFIX, NB, page_format=fmt)
+        open_storage(tier, SUFFIX, identity=IDENT, page_nbytes=NB, page_format=fmt)
     assert not os.path.exists(tmp_path / "store")
 
 
 @pytest.mark.parametrize("nbytes", [0, -5, True, 1.5, "64"])
 def test_a_page_size_that_is_not_a_positive_int_is_refused_by_every_tier(tier, nbytes, tmp_path):
     with pytest.raises(StorageConfigError, match="page_nbytes"):
-        open_storage(tier, SUFFIX, nbytes)
+        open_storage(tier, SUFFIX, identity=IDENT, page_nbytes=nbytes)
     assert not os.path.exists(tmp_path / "store")
 
 
@@ -198,13 +200,13 @@ def test_redis_sizes_and_timeouts_are_refused_before_connecting():
 
 def test_an_odd_mha_page_size_is_refused_by_mooncake(mooncake_master):
     with pytest.raises(StorageConfigError, match="halves"):
-        open_storage(mooncake_master.spec(), SUFFIX, NB + 1)
+        open_storage(mooncake_master.spec(), SUFFIX, identity=IDENT, page_nbytes=NB + 1)
     with pytest.raises(StorageError):
-        open_storage(mooncake_master.spec(), SUFFIX, 0)
+        open_storage(mooncake_master.spec(), SUFFIX, identity=IDENT, page_nbytes=0)
 
 
 def test_a_capacity_that_is_not_a_positive_int_is_refused_by_every_tier(tier, tmp_path):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(StorageConfigError, match="capacity_bytes"):
-            open_storage(tier, SUFFIX, NB, capacity_bytes=bad)
+            open_storage(tier, SUFFIX, identity=IDENT, page_nbytes=NB, capacity_bytes=bad)
     assert not os.path.exists(tmp_path / "store")
