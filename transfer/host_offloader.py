@@ -51,7 +51,8 @@ log = get_logger(__name__)
 class OffloaderStats(msgspec.Struct):
     """Counters since construction; ``host_free_pages`` and ``in_flight_*`` are current values.
 
-    ``writes_rejected`` counts writes refused for want of host pages (backpressure).
+    ``writes_rejected`` counts writes refused for want of host pages (backpressure);
+``copies_discarded`` counts copies the caller discarded (``discard_write``) before they ended.
     """
 
     writes: int = 0
@@ -59,6 +60,7 @@ class OffloaderStats(msgspec.Struct):
     writes_landed: int = 0
     copy_failures: int = 0
     copy_expired: int = 0
+    copies_discarded: int = 0
     storage_ops: int = 0
     storage_ok: int = 0
     storage_failed: int = 0
@@ -119,7 +121,7 @@ class HostOffloader:
         self._storage_worker = BackgroundWorker("kv-storage", storage_threads)
         self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
-        self._expired_acks: set[int] = set()  # expired, copy not yet ended
+        self._expired_acks: set[int] = set()  # expired or discarded, copy not yet ended
         self._failed_writes: list[int] = []
         self._ops: dict[int, list[int]] = {}  # storage op -> host pages
         self._op_ids = itertools.count(1)
@@ -212,7 +214,7 @@ class HostOffloader:
             self._stats.copy_failures += 1
             log.error("offloader.copy_failed", ack_id=tag, expired=expired, error=repr(error))
         else:
-            log.warning("offloader.expired_copy_ended", ack_id=tag)
+            log.warning("offloader.expired_copy_ended", ack_id=tag)  # expired or discarded
         self._failed_writes.append(tag)
 
     def failed_writes(self) -> list[int]:
@@ -243,6 +245,27 @@ class HostOffloader:
                           pages=len(pages))
                 out.append(ack)
         return out
+
+    def discard_write(self, ack_id: int) -> None:
+        """The caller gave up on a copy still in flight (its device slots were freed under it, by
+        someone else): whatever it lands is worthless. The copy is not cancelled (it cannot be);
+        when it ends it is reported by ``finished_writes`` as usual and listed by
+        ``failed_writes``, and its host pages are poisoned: never stored. Counted in
+        ``copies_discarded``; a second call for the same ack changes nothing.
+
+        Raises:
+            UnknownId: ``ack_id`` is not a copy in flight (never written, or already reported).
+        """
+        entry = self._writes.get(ack_id)
+        if entry is None:
+            raise UnknownId(f"ack id {ack_id} is not a copy in flight")
+        if ack_id in self._expired_acks:
+            return
+        self._deadlines.pop(ack_id, None)
+        self._expired_acks.add(ack_id)
+        self._poisoned.update(entry[0])
+        self._stats.copies_discarded += 1
+        log.warning("offloader.copy_discarded", ack_id=ack_id, pages=len(entry[0]))
 
     # -- host -> storage ----------------------------------------------------------------------
     def write_storage(

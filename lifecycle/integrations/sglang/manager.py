@@ -157,8 +157,9 @@ class DecodeKVCacheOffloadManager:
             if state not in _WAITING:
                 break
             if deadline is not None and time.monotonic() > deadline:
+                discarded = self._discard_copies_of(req)
                 log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
-                          waited_s=self.SGLANG_RELEASE_WAIT_S)
+                          waited_s=self.SGLANG_RELEASE_WAIT_S, copies_discarded=discarded)
                 return True
             time.sleep(0.0002)
         if state is State.RELEASED:
@@ -170,6 +171,16 @@ class DecodeKVCacheOffloadManager:
         return True
 
     SGLANG_RELEASE_WAIT_S = 10.0  # TP=1 only: then SGLang frees anyway (logged sglang.release_under_copy)
+
+    def _discard_copies_of(self, req) -> int:
+        """SGLang is about to free ``req``'s slots under its copies still in flight (the TP=1 wait
+        expired): whatever those copies land may be another request's KV by then, so none of it
+        is stored (``HostOffloader.discard_write``: the landing is reported as a failed copy, its
+        host pages freed unstored, counted in ``copies_discarded``). Returns how many."""
+        acks = [ack for ack, chunk in self.manager._ongoing.items() if chunk.req is req]
+        for ack in acks:
+            self.offloader.discard_write(ack)
+        return len(acks)
 
     def _readmit(self, req) -> bool:
         """Start a new lifecycle for a request SGLang released and gave a row again; False if it has none."""
