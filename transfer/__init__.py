@@ -5,6 +5,7 @@ from transfer.copy_engine import CpuCopyEngine, CudaCopyEngine, make_copy_engine
 from transfer.errors import (
     BadIndices,
     Closed,
+    DeviceMismatch,
     DoubleFree,
     HostPagesBusy,
     IntegrityError,
@@ -31,6 +32,7 @@ from transfer.storage import FileStorage, MemoryStorage, Storage, StorageStats, 
 __all__ = [
     "BadIndices",
     "Closed",
+    "DeviceMismatch",
     "CpuCopyEngine",
     "CudaCopyEngine",
     "DoubleFree",

@@ -18,11 +18,13 @@ from transfer.gather import ChunkCopy
 from transfer.host_pool import HostPool
 from transfer.kv_pool import KVPool
 from transfer.worker import BackgroundWorker, Done
-from transfer.errors import Closed
+from transfer.errors import Closed, DeviceMismatch
 
 
 class CpuCopyEngine:
-    """Copies on ``threads`` worker threads (torch releases the GIL while copying).
+    """Copies on ``threads`` worker threads (torch releases the GIL while copying), between pools
+    in host memory only: a device (CUDA) pool is refused (``DeviceMismatch``), since a worker
+    thread would copy it outside any stream order and report it done at launch, not landing.
 
     Args:
         threads: worker threads; with more than one, completions may come out of order.
@@ -36,6 +38,14 @@ class CpuCopyEngine:
         """Copies submitted and not yet reported by ``poll``."""
         return self._worker.pending
 
+    def check_pool(self, kv) -> None:
+        """Raise ``DeviceMismatch`` unless ``kv`` (a device KV pool) lives in host memory."""
+        device = torch.device(kv.device)
+        if device.type != "cpu":
+            raise DeviceMismatch(
+                f"{type(self).__name__} copies host-memory pools only; this pool is on {device} "
+                f"(use the CUDA engine: make_copy_engine({str(device)!r}))")
+
     def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
         """Run ``fn`` as one copy job; ``poll`` reports ``tag`` when it has run."""
         self._worker.submit(tag, fn)
@@ -44,11 +54,20 @@ class CpuCopyEngine:
         """Enqueue device ``slots`` -> host ``host_pages`` (same page count, whole aligned pages).
 
         The plan is built and run on the worker: the caller's thread only queues the job.
+
+        Raises:
+            DeviceMismatch: ``kv`` is not in host memory (nothing queued).
         """
+        self.check_pool(kv)
         self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages).to_host())
 
     def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
-        """Enqueue host ``host_pages`` -> device ``slots`` (planned and run on the worker)."""
+        """Enqueue host ``host_pages`` -> device ``slots`` (planned and run on the worker).
+
+        Raises:
+            DeviceMismatch: ``kv`` is not in host memory (nothing queued).
+        """
+        self.check_pool(kv)
         self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages).to_device())
 
     def poll(self) -> list[Done]:
@@ -93,6 +112,12 @@ class CudaCopyEngine:
     @property
     def pending(self) -> int:
         return len(self._inflight)
+
+    def check_pool(self, kv) -> None:
+        """Raise ``DeviceMismatch`` unless ``kv`` lives on this engine's CUDA device."""
+        device = torch.device(kv.device)
+        if device.type != "cuda" or _cuda_index(device) != _cuda_index(self.device):
+            raise DeviceMismatch(f"{type(self).__name__} on {self.device} cannot copy a pool on {device}")
 
     def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
         """Launch ``fn`` on the copy stream after the compute stream's queued work.
@@ -165,12 +190,23 @@ class CudaCopyEngine:
         return True
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 CopyEngine = CpuCopyEngine | CudaCopyEngine
 
 
 def make_copy_engine(device: torch.device | str, threads: int = 2) -> CopyEngine:
-    """The engine for a KV pool on ``device``: CUDA stream engine on CUDA, threads otherwise."""
+    """The engine for a KV pool on ``device``: the CUDA stream engine on CUDA, worker threads on
+    the CPU.
+
+    Raises:
+        DeviceMismatch: ``device`` is neither the CPU nor a usable CUDA device.
+    """
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         return CudaCopyEngine(device)
+    if device.type != "cpu":
+        raise DeviceMismatch(f"no copy engine for a pool on {device} (CUDA available: {torch.cuda.is_available()})")
     return CpuCopyEngine(threads)

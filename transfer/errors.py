@@ -39,6 +39,11 @@ class HostPagesBusy(TransferError):
     """Host pages are still read by an in-flight storage op and cannot be freed yet."""
 
 
+class DeviceMismatch(TransferError, ValueError):
+    """A copy engine was given a pool on a device it cannot copy from (the CPU engine and a CUDA
+    pool: its worker threads would read device memory with no stream order); nothing was queued."""
+
+
 class Closed(TransferError):
     """The component was closed; it accepts no more work."""
 

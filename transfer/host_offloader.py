@@ -95,6 +95,8 @@ class HostOffloader:
     Raises:
         ValueError: pools of different shape or dtype, ``write_timeout_s <= 0`` or a negative
             log interval.
+        DeviceMismatch (a ValueError): the copy engine cannot copy from ``kv_pool``'s device (the
+            CPU engine and a CUDA pool).
     """
 
     def __init__(
@@ -117,7 +119,11 @@ class HostOffloader:
         self.write_timeout_s, self._clock = write_timeout_s, clock
         self.kv, self.host, self.storage = kv_pool, host_pool, storage
         self.page_size = host_pool.page_size
-        self.engine = copy_engine if copy_engine is not None else make_copy_engine(kv_pool.device)
+        engine = copy_engine if copy_engine is not None else make_copy_engine(kv_pool.device)
+        check_pool = getattr(engine, "check_pool", None)
+        if check_pool is not None:
+            check_pool(kv_pool)  # DeviceMismatch before any worker starts
+        self.engine = engine
         self._storage_worker = BackgroundWorker("kv-storage", storage_threads)
         self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from transfer.copy_engine import CpuCopyEngine, CudaCopyEngine
+from transfer.errors import DeviceMismatch
 from transfer.gather import page_runs
 from transfer.host_pool import HostPool
 
@@ -137,9 +138,11 @@ class LayeredCpuCopyEngine(CpuCopyEngine):
     """``CpuCopyEngine`` over a ``LayeredKVPool`` (copies on worker threads)."""
 
     def to_host(self, tag, kv, host, slots, host_pages) -> None:
+        self.check_pool(kv)
         self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_host)
 
     def to_device(self, tag, kv, host, slots, host_pages) -> None:
+        self.check_pool(kv)
         self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_device)
 
 
@@ -156,7 +159,14 @@ class LayeredCudaCopyEngine(CudaCopyEngine):
 
 
 def make_layered_copy_engine(kv: LayeredKVPool, threads: int = 2):
-    """The CUDA stream engine for a CUDA pool, worker threads otherwise."""
+    """The CUDA stream engine for a CUDA pool, worker threads for a CPU pool.
+
+    Raises:
+        DeviceMismatch: the pool is on another device, or on CUDA without a usable CUDA.
+    """
     if kv.device.type == "cuda" and torch.cuda.is_available():
         return LayeredCudaCopyEngine(kv.device)
+    if kv.device.type != "cpu":
+        raise DeviceMismatch(f"no copy engine for SGLang KV buffers on {kv.device} "
+                             f"(CUDA available: {torch.cuda.is_available()})")
     return LayeredCpuCopyEngine(threads)
