@@ -20,7 +20,9 @@ import weakref
 
 import torch
 
+from transfer.errors import BadIndices
 from transfer.host_pool import HostPool
+from transfer.indices import as_index_tensor, pages_of_slots
 from transfer.kv_pool import KVPool
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -40,6 +42,32 @@ def word_rows(buffer: torch.Tensor, row_bytes: int, word: torch.dtype) -> torch.
     return buffer.view(-1).view(torch.uint8).view(word).view(-1, row_bytes // torch.empty((), dtype=word).element_size())
 
 
+def check_on_device(index: torch.Tensor, page_size: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check device slot ids (whole aligned pages inside ``0 .. end-1``) without reading them on
+    the host: the verdict is a pinned host flag the device writes asynchronously, to be read once
+    the copy's event has fired (``landed_error``). Returns the ids clamped into the pool, so a bad
+    chunk gathers harmless rows (never an out-of-bounds device access), and the flag.
+
+    Issued on the current stream (the copy stream): allocations and reads stay on that stream.
+    """
+    grid = index.view(-1, page_size)
+    first = grid[:, :1]
+    ok = ((grid - first) == torch.arange(page_size, device=index.device)).all()
+    ok &= ((first % page_size) == 0).all() & (first >= 0).all() & (first <= end - page_size).all()
+    flag = torch.zeros((), dtype=torch.bool, pin_memory=torch.cuda.is_available())
+    flag.copy_(ok, non_blocking=True)
+    return index.clamp(0, end - 1), flag
+
+
+def landed_error(flag: torch.Tensor | None, end: int):
+    """After the copy's event fired: ``BadIndices`` when ``check_on_device`` found the ids bad, else
+    None. Reads host memory only."""
+    if flag is None or bool(flag):
+        return None
+    return BadIndices(f"device indices are not whole, page-aligned pages inside 0..{end - 1}: "
+                      f"the copy moved nothing worth keeping")
+
+
 def host_order_rows(kv: KVPool, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat device row ids of ``slots`` (whole pages) in host page-first order.
 
@@ -47,8 +75,9 @@ def host_order_rows(kv: KVPool, slots: torch.Tensor, page_size: int) -> torch.Te
     ordered ``[page, kind, token-in-page, layer]``, matching a host page ``[kinds, page_size,
     layers, ...]``.
     """
-    plane = (torch.arange(kv.kinds).view(1, -1, 1, 1) * kv.layers
-             + torch.arange(kv.layers).view(1, 1, 1, -1)) * kv.slots
+    dev = slots.device
+    plane = (torch.arange(kv.kinds, device=dev).view(1, -1, 1, 1) * kv.layers
+             + torch.arange(kv.layers, device=dev).view(1, 1, 1, -1)) * kv.slots
     return (plane + slots.view(-1, 1, page_size, 1)).reshape(-1)
 
 
@@ -105,16 +134,28 @@ class ChunkCopy:
     holds every tensor it launched with until the caller drops it after the copy's event.
     """
 
-    def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor):
+    def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                 check_end: int | None = None):
         self.kv, self.host = kv, host
         self.slots, self.host_pages = slots, host_pages
         self.views = pair_views(kv, host)
         self.rows_per_page = kv.kinds * host.page_size * kv.layers
         self.staging: torch.Tensor | None = None
         self.cuda = kv.device.type == "cuda"
+        self.check_end, self.ok = check_end, None
         if self.cuda:
-            self.index = host_order_rows(kv, slots, host.page_size).to(kv.device, non_blocking=True)
+            index = slots.to(kv.device, dtype=torch.int64, non_blocking=True)
+            if check_end is not None:
+                index, self.ok = check_on_device(index, host.page_size, check_end)
+            self.index = host_order_rows(kv, index, host.page_size)
             self.runs = page_runs(host_pages)
+        elif check_end is not None:  # on the copy worker: the ids may be read here
+            self.slots = as_index_tensor(slots, "device indices")
+            pages_of_slots(self.slots.numpy(), host.page_size, "device indices", check_end)
+
+    def landed_error(self):
+        """Once the copy's event has fired: the ``BadIndices`` its device-side check found, or None."""
+        return landed_error(self.ok, self.check_end)
 
     def _run_slices(self):
         rpp = self.rows_per_page

@@ -38,7 +38,7 @@ from transfer.errors import (
     BadIndices, Closed, HostPagesBusy, NotAllocated, StorageError, TransferError, UnknownId,
 )
 from transfer.host_pool import HostPool
-from transfer.indices import as_index_tensor, pages_of_slots, slots_of_pages
+from transfer.indices import as_index_tensor, check_device_indices, on_host, pages_of_slots, slots_of_pages
 from transfer.kv_pool import KVPool
 from transfer.log import get_logger
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
@@ -154,6 +154,8 @@ class HostOffloader:
             raise Closed("offloader is closed")
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
+        if isinstance(device_indices, torch.Tensor) and not on_host(device_indices):
+            return self._write_on_device(device_indices, ack_id)
         slots = as_index_tensor(device_indices, "device indices")
         view = slots.numpy()
         n_pages = pages_of_slots(view, self.page_size, "device indices", self.kv.slots).shape[0]
@@ -172,6 +174,37 @@ class HostOffloader:
             self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages))
         except BaseException:
             self.host.free_pages(pages)  # nothing was enqueued: the pages go back, the ack is never reported
+            raise
+        host_pages = pages.tolist()
+        self._writes[ack_id] = (host_pages, slots)
+        if self.write_timeout_s is not None:
+            self._deadlines[ack_id] = self._clock() + self.write_timeout_s
+        self._landing.update(host_pages)
+        self._stats.writes += 1
+        return slots_of_pages(pages, self.page_size, ascending=True)
+
+    def _write_on_device(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
+        """``write`` of slot ids that live on the device (``req_to_token`` on CUDA): never read on
+        the host (no device -> host sync on the scheduler thread). Their shape is checked here; their
+        values (whole aligned pages inside the pool) where the copy runs: a bad chunk fails its copy
+        (``failed_writes``: nothing stored) instead of raising here."""
+        check_device_indices(device_indices, self.page_size, "device indices")
+        n_pages = device_indices.shape[0] // self.page_size
+        if n_pages == 0:
+            raise BadIndices("a write needs at least one page")
+        pages = self.host.alloc_pages(n_pages)
+        if pages is None:
+            self._rejected(ack_id, n_pages)
+            return None
+        if self._rejected_run:
+            log.info("offloader.host_recovered", rejected=self._rejected_run)
+            self._rejected_run = 0
+        slots = device_indices.to(torch.int64, copy=True)  # a device-side copy: the caller may reuse theirs
+        try:
+            self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages),
+                                check_end=self.kv.slots)
+        except BaseException:
+            self.host.free_pages(pages)
             raise
         host_pages = pages.tolist()
         self._writes[ack_id] = (host_pages, slots)
@@ -410,7 +443,7 @@ class HostOffloader:
         if not stuck and not ops:
             return CloseReport(clean=True, timeout=timeout)
         host = sorted(p for t in stuck for p in self._writes[t][0])
-        dev = sorted({s for t in stuck for s in self._writes[t][1].tolist()})
+        dev = sorted({s for t in stuck for s in self._writes[t][1].tolist()})  # at close: may read the device
         busy = sorted({p for t in ops for p in self._ops[t]})
         reason = (f"close timed out after {timeout}s: {len(stuck)} device->host copies and {len(ops)} "
                   f"storage ops still running (cannot be cancelled); device slots {len(dev)} stay "

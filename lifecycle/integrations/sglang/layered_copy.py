@@ -19,7 +19,8 @@ import torch
 
 from transfer.copy_engine import CpuCopyEngine, CudaCopyEngine
 from transfer.errors import DeviceMismatch
-from transfer.gather import page_runs
+from transfer.gather import check_on_device, landed_error, page_runs
+from transfer.indices import as_index_tensor, pages_of_slots
 from transfer.host_pool import HostPool
 
 from lifecycle.integrations.sglang.device_pool import LayeredKVPool
@@ -38,7 +39,8 @@ class LayeredChunkCopy:
         ValueError: the pools disagree on shape or dtype.
     """
 
-    def __init__(self, kv: LayeredKVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+    def __init__(self, kv: LayeredKVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                 check_end: int | None = None) -> None:
         shape = (kv.kinds, kv.layers, kv.heads, kv.head_dim, kv.dtype)
         if shape != (host.kinds, host.layers, host.heads, host.head_dim, host.dtype):
             raise ValueError(f"device pool {shape} and host pool disagree")
@@ -48,11 +50,17 @@ class LayeredChunkCopy:
         self.host_words = host.buffer.view(word)
         self.n_pages = host_pages.numel()
         self.cuda = kv.device.type == "cuda"
+        self.check_end, self.ok = check_end, None
         if self.cuda:
             self.index = slots.to(kv.device, dtype=torch.int64, non_blocking=True)
+            if check_end is not None:
+                self.index, self.ok = check_on_device(self.index, self.ps, check_end)
             self.runs = page_runs(host_pages)
             self.staging: torch.Tensor | None = None
         else:
+            if check_end is not None:  # on the copy worker: the ids may be read here
+                slots = as_index_tensor(slots, "device indices")
+                pages_of_slots(slots.numpy(), self.ps, "device indices", check_end)
             firsts = slots.view(-1, self.ps)[:, 0].tolist()
             self.block_runs = _block_runs(firsts, host_pages.tolist(), self.ps)
             self.runs = page_runs(host_pages)
@@ -61,6 +69,10 @@ class LayeredChunkCopy:
             self.gather = len(self.block_runs) > len(self.runs)
             if self.gather:
                 self.index = slots.to(torch.int64)
+
+    def landed_error(self):
+        """Once the copy's event has fired: the ``BadIndices`` its device-side check found, or None."""
+        return landed_error(self.ok, self.check_end)
 
     def _pages(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t.view(n, self.ps, self.kv.heads, self.kv.head_dim)
@@ -137,25 +149,28 @@ def _block_runs(dev_starts: list[int], host_pages: list[int], page_size: int) ->
 class LayeredCpuCopyEngine(CpuCopyEngine):
     """``CpuCopyEngine`` over a ``LayeredKVPool`` (copies on worker threads)."""
 
-    def to_host(self, tag, kv, host, slots, host_pages) -> None:
+    def to_host(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
+        """Planned and run on the worker: the caller's thread never reads ``slots``."""
         self.check_pool(kv)
-        self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_host)
+        self.submit(tag, lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end).to_host())
 
-    def to_device(self, tag, kv, host, slots, host_pages) -> None:
+    def to_device(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
         self.check_pool(kv)
-        self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_device)
+        self.submit(tag, lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end).to_device())
 
 
 class LayeredCudaCopyEngine(CudaCopyEngine):
     """``CudaCopyEngine`` over a ``LayeredKVPool`` (copy stream, completion by event query)."""
 
-    def to_host(self, tag, kv, host, slots, host_pages) -> None:
-        plan = LayeredChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, self._launch(plan, plan.to_host))
+    def to_host(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
+        self.check_pool(kv)
+        self.submit(tag, self._launch(lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end),
+                                      "to_host", (slots,)))
 
-    def to_device(self, tag, kv, host, slots, host_pages) -> None:
-        plan = LayeredChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, self._launch(plan, plan.to_device))
+    def to_device(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
+        self.check_pool(kv)
+        self.submit(tag, self._launch(lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end),
+                                      "to_device", (slots,)))
 
 
 def make_layered_copy_engine(kv: LayeredKVPool, threads: int = 2):
