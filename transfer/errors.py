@@ -44,6 +44,11 @@ class DeviceMismatch(TransferError, ValueError):
     pool: its worker threads would read device memory with no stream order); nothing was queued."""
 
 
+class PinningFailed(TransferError, RuntimeError):
+    """A host pool could not be pinned (page-locked) for the GPU and the caller did not allow
+    pageable memory; nothing stays allocated."""
+
+
 class Closed(TransferError):
     """The component was closed; it accepts no more work."""
 

@@ -54,6 +54,8 @@ class TransferStack:
             why = f"prefix loads still running after {timeout}s (their device slots and host pages stay held)"
             report = msgspec.structs.replace(report, clean=False, reason="; ".join(filter(None, [report.reason, why])))
         self.storage.close()
+        if report.clean:  # nothing copies into the host pool any more: unpin it
+            self.host_pool.close()
         return report
 
 

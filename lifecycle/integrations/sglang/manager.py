@@ -202,6 +202,8 @@ class DecodeKVCacheOffloadManager:
         stats = self.manager.stats()
         self.manager.shutdown(force=True)
         self.storage.close()
+        if self.offloader.idle():  # no copy can still write into the host pool: unpin it
+            self.decode_host_mem_pool.close()
         log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
                  inflight_writes=stats.inflight_writes, inflight_storage=stats.inflight_storage)
         if self.audit_path is not None and not _ACTIVE:
