@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from transfer.gather import ChunkCopy
+from transfer.gather import ChunkCopy, Staging
 from transfer.host_pool import HostPool
 from transfer.kv_pool import KVPool
 from transfer.worker import BackgroundWorker, Done
@@ -110,6 +110,8 @@ class CudaCopyEngine:
             raise RuntimeError("CudaCopyEngine needs CUDA")
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        #: the copy stream's one staging buffer (only ever used on ``stream``)
+        self.staging_buffer = Staging(self.device)
         self._inflight: list[tuple[Any, torch.cuda.Event, Any, BaseException | None]] = []
         self._closed = False
 
@@ -172,13 +174,13 @@ class CudaCopyEngine:
         ``check_end`` the slot ids are checked on the device (``gather.check_on_device``) and a bad
         chunk is reported by ``poll`` with ``Done.error`` (never read on the host here)."""
         self.check_pool(kv)
-        self.submit(tag, self._launch(lambda: ChunkCopy(kv, host, slots, host_pages, check_end),
+        self.submit(tag, self._launch(lambda: ChunkCopy(kv, host, slots, host_pages, check_end, self.staging_buffer),
                                       "to_host", (slots,)))
 
     def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
                   check_end: int | None = None) -> None:
         self.check_pool(kv)
-        self.submit(tag, self._launch(lambda: ChunkCopy(kv, host, slots, host_pages, check_end),
+        self.submit(tag, self._launch(lambda: ChunkCopy(kv, host, slots, host_pages, check_end, self.staging_buffer),
                                       "to_device", (slots,)))
 
     def poll(self) -> list[Done]:

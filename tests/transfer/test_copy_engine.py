@@ -197,3 +197,33 @@ def test_no_engine_is_made_for_a_device_without_one():
     if not torch.cuda.is_available():
         with pytest.raises(DeviceMismatch, match="cuda"):
             make_copy_engine("cuda")
+
+
+def test_a_cuda_launch_failing_half_way_keeps_what_it_built_alive_until_the_event():
+    """Issue 25, point 5: the plan (its index and staging tensors, which queued kernels may still
+    read) is held by the launch closure from the moment it exists; ``submit`` keeps that closure
+    until the copy's event fires, on the error path too. The launch logic runs on CPU here."""
+    import gc
+    import weakref
+
+    eng = CudaCopyEngine.__new__(CudaCopyEngine)  # no stream needed: _launch only builds and runs
+    eng.stream = None
+    made = []
+
+    class Plan:
+        def to_host(self):
+            raise RuntimeError("failed after queuing a gather")
+
+    def make():
+        plan = Plan()
+        made.append(weakref.ref(plan))
+        return plan
+
+    go = eng._launch(make, "to_host")
+    with pytest.raises(RuntimeError):
+        go()
+    gc.collect()
+    assert made[0]() is not None  # still alive: the engine holds ``go`` until the event
+    del go
+    gc.collect()
+    assert made[0]() is None
