@@ -40,7 +40,7 @@ class CpuCopyEngine:
 
     def check_pool(self, kv) -> None:
         """Raise ``DeviceMismatch`` unless ``kv`` (a device KV pool) lives in host memory."""
-        device = torch.device(kv.device)
+        device = kv.device  # a torch.device (KVPool, LayeredKVPool): one attribute read per copy
         if device.type != "cpu":
             raise DeviceMismatch(
                 f"{type(self).__name__} copies host-memory pools only; this pool is on {device} "
@@ -112,7 +112,8 @@ class CudaCopyEngine:
         self.stream = torch.cuda.Stream(self.device)
         #: the copy stream's one staging buffer (only ever used on ``stream``)
         self.staging_buffer = Staging(self.device)
-        self._inflight: list[tuple[Any, torch.cuda.Event, Any, BaseException | None]] = []
+        # (tag, event, (the launch, what it returned), launch error): held until the event fires
+        self._inflight: list[tuple[Any, torch.cuda.Event, tuple, BaseException | None]] = []
         self._closed = False
 
     @property

@@ -52,7 +52,7 @@ class OffloaderStats(msgspec.Struct):
     """Counters since construction; ``host_free_pages`` and ``in_flight_*`` are current values.
 
     ``writes_rejected`` counts writes refused for want of host pages (backpressure);
-``copies_discarded`` counts copies the caller discarded (``discard_write``) before they ended.
+    ``copies_discarded`` counts copies the caller discarded (``discard_write``) before they ended.
     """
 
     writes: int = 0
@@ -146,9 +146,15 @@ class HostOffloader:
     def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
         """See ``Offloader.write``.
 
+        Slot ids in host memory are checked here. Slot ids on a device (``req_to_token`` on CUDA)
+        are never read on the calling thread: their shape is checked here, their values where the
+        copy runs, and a chunk that is not whole aligned pages inside the pool is a failed copy
+        (``failed_writes``), not a ``BadIndices`` (docs/architecture.md, "Streams").
+
         Raises:
             Closed: after ``close``. UnknownId: ``ack_id`` already pending.
-            BadIndices: empty, not whole page-aligned pages, or outside the device pool.
+            BadIndices: empty, not whole page-aligned pages, or outside the device pool (slot ids
+                on a device: not a 1-D integer tensor of whole pages).
         """
         if self._closed:
             raise Closed("offloader is closed")

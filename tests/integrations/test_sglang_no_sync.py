@@ -98,6 +98,7 @@ def test_decode_offload_and_release_never_read_device_slots_on_the_scheduler_thr
 
 def test_sglangs_release_hook_waits_without_reading_device_slots(store_dir):  # noqa: F811
     node = device_resident_node()
+    full = node.alloc.available_size()
     mgr = build(node)
     req = node.admit("r", list(range(10)), 24)
     req.prefix_indices = as_device_resident(req.prefix_indices)
@@ -107,9 +108,28 @@ def test_sglangs_release_hook_waits_without_reading_device_slots(store_dir):  # 
     hook = _release_hook(allowing(release_kv_cache))  # SGLang's release_kv_cache itself runs unarmed
     with no_host_sync():
         assert mgr.offload_kv_cache(req)
-        hook(req, node.tree, is_insert=False)
+        hook(req, node.tree, is_insert=False)  # retract_decode: waits for the copy, then SGLang frees
     assert req.kv.req_pool_idx is None and mgr.stats().released == 1
-    mgr.release_host_resources()
+    req.reset_for_retract()
+    req.prefix_indices = as_device_resident(req.prefix_indices)
+    node.pool.alloc([req])  # resume_retracted_reqs: a new row, the KV restored
+    node._grow(req, len(req.origin_input_ids) + len(req.output_ids) - 1)
+    while not req.finished():
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(3000 + req.kv.kv_committed_len)
+        if len(req.output_ids) >= req.max_new_tokens:
+            req.finished_reason = "length"
+        with no_host_sync():  # the first call readmits the request into a new lifecycle
+            if not mgr.offload_kv_cache(req) and req.finished():
+                mgr.finalize_release_on_finish(req)
+            mgr.check_offload_progress()
+    with no_host_sync():
+        while not mgr.idle():
+            mgr.check_offload_progress()
+        stats = mgr.stats()
+        assert (stats.released, stats.leaked, stats.tracked) == (2, 0, 0)
+        mgr.release_host_resources()
+    assert node.alloc.available_size() == full
 
 
 def test_bad_device_slot_ids_fail_their_copy_and_store_nothing(store_dir):  # noqa: F811
