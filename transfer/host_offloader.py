@@ -127,7 +127,8 @@ class HostOffloader:
         self._storage_worker = BackgroundWorker("kv-storage", storage_threads)
         self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
-        self._expired_acks: set[int] = set()  # expired or discarded, copy not yet ended
+        self._expired_acks: set[int] = set()  # expired (discarded ones included), copy not yet ended
+        self._discarded: set[int] = set()  # discarded, not yet listed by expired_writes
         self._failed_writes: list[int] = []
         self._ops: dict[int, list[int]] = {}  # storage op -> host pages
         self._op_ids = itertools.count(1)
@@ -245,7 +246,7 @@ class HostOffloader:
             self._landing.difference_update(pages)
             if self._deadlines:
                 self._deadlines.pop(tag, None)
-            if done.error is not None or tag in self._expired_acks:
+            if done.error is not None or tag in self._expired_acks or (self._discarded and tag in self._discarded):
                 self._landed_bad(tag, pages, done.error)
             self._stats.writes_landed += 1
             out.append(tag)
@@ -254,12 +255,13 @@ class HostOffloader:
     def _landed_bad(self, tag: int, pages: list[int], error: BaseException | None) -> None:
         expired = tag in self._expired_acks
         self._expired_acks.discard(tag)
+        self._discarded.discard(tag)  # discarded and ended before expired_writes listed it
         self._poisoned.update(pages)
         if error is not None:
             self._stats.copy_failures += 1
             log.error("offloader.copy_failed", ack_id=tag, expired=expired, error=repr(error))
         else:
-            log.warning("offloader.expired_copy_ended", ack_id=tag)  # expired or discarded
+            log.warning("offloader.expired_copy_ended", ack_id=tag)
         self._failed_writes.append(tag)
 
     def failed_writes(self) -> list[int]:
@@ -285,18 +287,22 @@ class HostOffloader:
                 self._expired_acks.add(ack)
                 pages = self._writes[ack][0]
                 self._poisoned.update(pages)
-                self._stats.copy_expired += 1
-                log.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
-                          pages=len(pages))
+                if ack in self._discarded:  # counted and logged by discard_write
+                    self._discarded.discard(ack)
+                else:
+                    self._stats.copy_expired += 1
+                    log.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
+                              pages=len(pages))
                 out.append(ack)
         return out
 
     def discard_write(self, ack_id: int) -> None:
-        """The caller gave up on a copy still in flight (its device slots were freed under it, by
-        someone else): whatever it lands is worthless. The copy is not cancelled (it cannot be);
-        when it ends it is reported by ``finished_writes`` as usual and listed by
-        ``failed_writes``, and its host pages are poisoned: never stored. Counted in
-        ``copies_discarded``; a second call for the same ack changes nothing.
+        """The caller gave up on a copy still in flight (its device slots are being freed under it,
+        by someone else): whatever it lands is worthless. The copy is not cancelled (it cannot be):
+        it is expired at once — listed by the next ``expired_writes``, its host pages poisoned
+        (never stored) — and when it ends it is reported by ``finished_writes`` and listed by
+        ``failed_writes``, as an expired copy is. Counted in ``copies_discarded`` (not in
+        ``copy_expired``); a second call for the same ack changes nothing.
 
         Raises:
             UnknownId: ``ack_id`` is not a copy in flight (never written, or already reported).
@@ -304,10 +310,10 @@ class HostOffloader:
         entry = self._writes.get(ack_id)
         if entry is None:
             raise UnknownId(f"ack id {ack_id} is not a copy in flight")
-        if ack_id in self._expired_acks:
+        if ack_id in self._expired_acks or ack_id in self._discarded:
             return
-        self._deadlines.pop(ack_id, None)
-        self._expired_acks.add(ack_id)
+        self._deadlines[ack_id] = float("-inf")  # expired at the next expired_writes
+        self._discarded.add(ack_id)
         self._poisoned.update(entry[0])
         self._stats.copies_discarded += 1
         log.warning("offloader.copy_discarded", ack_id=ack_id, pages=len(entry[0]))

@@ -13,7 +13,7 @@ import torch
 from lifecycle.integrations.sglang.install import _release_hook
 from lifecycle_tools.testkit.sglang_doubles import release_kv_cache
 from tests.integrations.sglang_kit import Node, doubles_kit
-from tests.integrations.test_sglang import build, store_dir  # noqa: F401  (fixture)
+from tests.integrations.test_sglang import build, stdlib_logging, store_dir  # noqa: F401  (fixtures)
 
 
 def test_a_copy_landing_after_the_release_wait_expired_stores_nothing_and_is_counted(store_dir):  # noqa: F811
@@ -42,7 +42,7 @@ def test_a_copy_landing_after_the_release_wait_expired_stores_nothing_and_is_cou
     assert not os.path.isdir(store_dir) or os.listdir(store_dir) == []  # nothing stored
     assert mgr.offloader.stats().copies_discarded == 1
     assert mgr.offloader.stats().pages_stored == 0
-    assert mgr.stats().copy_failures == 1
+    assert mgr.stats().copies_expired == 1 and mgr.stats().released == 1  # stopped waiting, ended as SGLang freed
     assert mgr.decode_host_mem_pool.available_size() == mgr.decode_host_mem_pool.size  # pages back
     expired = [e for e in logs if e["event"] == "sglang.release_under_copy"]
     assert len(expired) == 1 and expired[0]["copies_discarded"] == 1
@@ -60,4 +60,74 @@ def test_discard_write_of_an_unknown_ack_is_a_typed_error_and_changes_nothing(st
     with pytest.raises(UnknownId):
         mgr.offloader.discard_write(12345)
     assert mgr.offloader.stats() == before
+    mgr.release_host_resources()
+
+
+def _hanging(mgr):
+    """Copies that hang until the returned event is set."""
+    engine, gate = mgr.offloader.engine, threading.Event()
+    submit = engine.submit
+    engine.submit = lambda tag, fn: submit(tag, lambda: (gate.wait(10), fn())[1])
+    return gate
+
+
+def test_an_aborted_request_whose_wait_expired_ends_without_a_refusal_or_a_second_free(
+        store_dir, tmp_path, monkeypatch, stdlib_logging):  # noqa: F811
+    from lifecycle_tools.replay import replay_file
+
+    monkeypatch.setenv("KV_LIFECYCLE_AUDIT_DIR", str(tmp_path / "audit"))
+    node = Node(doubles_kit())
+    full, rows = node.alloc.available_size(), node.pool.available_size()
+    mgr = build(node)
+    mgr.SGLANG_RELEASE_WAIT_S = 0.05
+    gate = _hanging(mgr)
+    req = node.admit("aborted", list(range(4)), 30)
+    for _ in range(4):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(9)
+    assert mgr.offload_kv_cache(req)
+    req.finished_reason = "abort"
+    _release_hook(release_kv_cache)(req, node.tree, is_insert=False)  # SGLang frees after the wait
+    assert mgr.manager.state_of(req).name == "RELEASED"
+    gate.set()
+    node.drain(mgr)  # the copy lands: no refusal raised into SGLang's loop, nothing freed again
+    assert node.alloc.available_size() == full and node.pool.available_size() == rows
+    assert mgr.offloader.stats().pages_stored == 0 and mgr.stats().quarantined_slots == 0
+    mgr.check_integrity()
+    path = mgr.audit_path
+    mgr.release_host_resources()
+    result = replay_file(path)  # the audit replay agrees: released once, nothing freed under a copy by us
+    assert result.ok, result.violations
+
+
+def test_a_retracted_request_resumes_on_a_new_row_while_its_discarded_copy_still_runs(store_dir):  # noqa: F811
+    node = Node(doubles_kit())
+    full = node.alloc.available_size()
+    mgr = build(node)
+    mgr.SGLANG_RELEASE_WAIT_S = 0.05
+    gate = _hanging(mgr)
+    req = node.admit("back", list(range(4)), 12)
+    for _ in range(4):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(9)
+    old_row = req.kv.req_pool_idx
+    assert mgr.offload_kv_cache(req)
+    _release_hook(release_kv_cache)(req, node.tree, is_insert=False)
+    req.reset_for_retract()
+    other = node.admit("other", list(range(8)), 30)  # takes the freed row and slots
+    node.pool.alloc([req])
+    assert req.kv.req_pool_idx != old_row
+    node._grow(req, len(req.origin_input_ids) + len(req.output_ids) - 1)
+    running = [req]
+    while running:  # decoding goes on; the old copy is still stuck
+        running = node.decode_step(mgr, running)
+    gate.set()
+    node.drain(mgr)
+    stats = mgr.stats()
+    assert (stats.released, stats.leaked) == (2, 0)
+    other.finished_reason = "stop"
+    mgr.finalize_release_on_finish(other)
+    node.drain(mgr)
+    assert node.alloc.available_size() == full  # every slot back once: the old copy's slots freed by SGLang only
+    mgr.check_integrity()
     mgr.release_host_resources()

@@ -164,7 +164,7 @@ class DecodeKVCacheOffloadManager:
             time.sleep(0.0002)
         if state is State.RELEASED:
             return False
-        with self.release_sink.released_by_sglang():
+        with self.release_sink.released_by_sglang(req):
             self.manager.finalize_release_on_finish(req)
         self._released_by_sglang.add(req)
         log.info("sglang.released_by_sglang", rid=getattr(req, "rid", None))
@@ -174,12 +174,26 @@ class DecodeKVCacheOffloadManager:
 
     def _discard_copies_of(self, req) -> int:
         """SGLang is about to free ``req``'s slots under its copies still in flight (the TP=1 wait
-        expired): whatever those copies land may be another request's KV by then, so none of it
-        is stored (``HostOffloader.discard_write``: the landing is reported as a failed copy, its
-        host pages freed unstored, counted in ``copies_discarded``). Returns how many."""
-        acks = [ack for ack, chunk in self.manager._ongoing.items() if chunk.req is req]
+        expired): whatever those copies land may be another request's KV by then. They are
+        discarded (``HostOffloader.discard_write``: expired at once, nothing they land is stored,
+        counted in ``copies_discarded``); the lifecycle stops waiting for them and ends as when
+        SGLang frees (RELEASED, nothing freed here; readmitted if the request comes back), and the
+        slots those copies may still read are SGLang's to free, never freed here when they end
+        (only their host pages come back). Returns how many copies were discarded."""
+        mgr = self.manager
+        acks = [ack for ack, chunk in mgr._ongoing.items() if chunk.req is req]
         for ack in acks:
             self.offloader.discard_write(ack)
+        with self.release_sink.released_by_sglang(req):
+            mgr.check_offload_progress()  # the expiry: a finished request is released (recorded) here
+            if mgr.state_of(req) not in (None, State.RELEASED):
+                mgr.finalize_release_on_finish(req)
+        for ack in acks:
+            held = mgr._expired.get(ack)
+            if held is not None:
+                held.released = False  # SGLang frees these slots; when the copy ends only its host pages go
+        if mgr.state_of(req) is State.RELEASED:
+            self._released_by_sglang.add(req)
         return len(acks)
 
     def _readmit(self, req) -> bool:
