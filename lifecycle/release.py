@@ -145,7 +145,8 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     slots, lowest = _row_slots(mgr.req_to_token_pool.req_to_token, row_id, ranges)
     n_quarantined = 0
     if slots.numel() and not on_host(slots) and quarantined is not None:
-        slots, lowest = slots.cpu(), None  # the one host read on a device row: a stuck copy's quarantine
+        # the one host read on a device row: a stuck copy's quarantine
+        slots, lowest, quarantined = slots.cpu(), None, quarantined.cpu()
     if slots.numel() and on_host(slots):
         unique, lowest = (slots, lowest) if lowest is not None else _sorted_unique(slots)
         if lowest < 0:

@@ -207,3 +207,4 @@ def test_on_cuda_under_sync_debug_mode_error(store_dir, mla):  # noqa: F811
         for h, data in expected_pages(node, r, mgr.offload_stride):
             assert hicache_file_get(store_dir, h, suffix, mgr.decode_host_mem_pool.page_nbytes) == data
     mgr.release_host_resources()
+

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import structlog
 import torch
 
@@ -50,7 +51,6 @@ def test_a_copy_landing_after_the_release_wait_expired_stores_nothing_and_is_cou
 
 
 def test_discard_write_of_an_unknown_ack_is_a_typed_error_and_changes_nothing(store_dir):  # noqa: F811
-    import pytest
 
     from transfer.errors import UnknownId
 
@@ -130,4 +130,30 @@ def test_a_retracted_request_resumes_on_a_new_row_while_its_discarded_copy_still
     node.drain(mgr)
     assert node.alloc.available_size() == full  # every slot back once: the old copy's slots freed by SGLang only
     mgr.check_integrity()
+    mgr.release_host_resources()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_copy_stuck_on_the_copy_stream_past_the_wait_stores_nothing(store_dir):  # noqa: F811
+    """The same on the GPU: SGLang's pools on CUDA, the copy held back on the copy stream by a
+    long kernel; the expired wait works out the quarantine of device slot ids (the documented host
+    read) and frees nothing twice."""
+    node = Node(doubles_kit(), device="cuda")
+    full = node.alloc.available_size()
+    mgr = build(node)
+    mgr.SGLANG_RELEASE_WAIT_S = 0.05
+    engine = mgr.offloader.engine
+    submit = engine.submit
+    engine.submit = lambda tag, fn: submit(tag, lambda: (torch.cuda._sleep(int(3e9)), fn())[1])  # ~1-2 s
+    req = node.admit("late", list(range(4)), 30)
+    for _ in range(4):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(9)
+    assert mgr.offload_kv_cache(req)
+    req.finished_reason = "abort"
+    _release_hook(release_kv_cache)(req, node.tree, is_insert=False)
+    node.drain(mgr)
+    assert node.alloc.available_size() == full
+    assert mgr.offloader.stats().copies_discarded == 1 and mgr.offloader.stats().pages_stored == 0
+    assert not os.path.isdir(store_dir) or os.listdir(store_dir) == []
     mgr.release_host_resources()
