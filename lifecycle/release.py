@@ -132,8 +132,9 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     A row on a device (``req_to_token`` on CUDA) is never read on the host here: the plan's slots
     stay on the device as the row lists them (not sorted, not deduplicated) and their values are
     not checked for -1 or repeats (SGLang's own manager does not check them either; its release
-    sink frees by ranges). The one exception: a request one of whose copies expired (a deadline
-    set with ``write_timeout_s``) reads its slots on the host to leave the quarantined ones out.
+    sink frees by ranges). The one exception: a request one of whose copies expired (past
+    ``write_timeout_s``, or discarded when SGLang's TP=1 release wait ran out) reads its slots on
+    the host to leave the quarantined ones out.
 
     Raises:
         InvalidRequest: the row lists a negative slot id (-1: never written) or the same slot twice
