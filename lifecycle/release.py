@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from lifecycle.errors import InvalidRequest, LifecycleError
+from transfer.indices import on_host
 
 
 class ReleaseRefused(InvalidRequest):
@@ -36,7 +37,8 @@ class ReleasePlan(msgspec.Struct, frozen=True, gc=False):
             and the speculative over-allocation ``(ceil_to_alloc_page(committed), allocated)``
             when non-empty, as ``(start, end)`` tuples.
         slots: int64 tensor of the slot ids those ranges hold, sorted and unique, minus slots held
-            in quarantine by an expired copy (those are freed when the copy ends).
+            in quarantine by an expired copy (those are freed when the copy ends); for a row on a
+            device, the ids as the row lists them, on that device (see ``plan_release``).
         committed: KV tokens committed (``effective_kv_committed_len()`` or ``kv_committed_len``).
         allocated: KV slots allocated (``kv.kv_allocated_len``).
         quarantined: how many of the ranges' slots were left out because a stuck copy may read them.
@@ -127,6 +129,13 @@ def release_ranges(committed: int, allocated: int, alloc_page: int) -> tuple:
 def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     """The validated plan for releasing ``req`` (read by ``lifecycle.requests.read_request``).
 
+    A row on a device (``req_to_token`` on CUDA) is never read on the host here: the plan's slots
+    stay on the device as the row lists them (not sorted, not deduplicated) and their values are
+    not checked for -1 or repeats (SGLang's own manager does not check them either; its release
+    sink frees by ranges). The one exception: a request one of whose copies expired (past
+    ``write_timeout_s``, or discarded when SGLang's TP=1 release wait ran out) reads its slots on
+    the host to leave the quarantined ones out.
+
     Raises:
         InvalidRequest: the row lists a negative slot id (-1: never written) or the same slot twice
             (a cleared or corrupted row) in the ranges to free.
@@ -136,7 +145,10 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     ranges = release_ranges(committed, allocated, mgr._alloc_page)
     slots, lowest = _row_slots(mgr.req_to_token_pool.req_to_token, row_id, ranges)
     n_quarantined = 0
-    if slots.numel():
+    if slots.numel() and not on_host(slots) and quarantined is not None:
+        # the one host read on a device row: a stuck copy's quarantine
+        slots, lowest, quarantined = slots.cpu(), None, quarantined.cpu()
+    if slots.numel() and on_host(slots):
         unique, lowest = (slots, lowest) if lowest is not None else _sorted_unique(slots)
         if lowest < 0:
             pos = int((slots < 0).nonzero()[0])
@@ -166,10 +178,10 @@ def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> tuple[torch.T
     """The int64 slot ids of ``table[row_id]`` over ``ranges`` (a fresh tensor), and their lowest
     id when they ascend strictly (else None: not known sorted and unique). On the CPU through NumPy
     (one copy-convert, one comparison pass: a few NumPy calls instead of several torch ops);
-    elsewhere through torch, ascent not checked (None)."""
+    elsewhere through torch on the table's device, ascent not checked (None), nothing read on the host."""
     if not ranges:
         return _EMPTY, None
-    if table.device.type == "cpu" and not table.requires_grad:
+    if on_host(table) and not table.requires_grad:
         row = table.numpy()[row_id]
         a = (row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
              else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64)

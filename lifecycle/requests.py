@@ -16,6 +16,7 @@ import torch
 from hashing import TokenRangeError, page_hashes
 from lifecycle.errors import InvalidRequest, InvalidToken
 from lifecycle.records import Chunk, OffloadedState
+from transfer.indices import on_host
 
 _SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
 _KV_SHAPE = ("req_pool_idx", "kv_committed_len", "kv_allocated_len")
@@ -136,8 +137,9 @@ def initial_progress(mgr, req) -> OffloadedState:
 
 def row_slots(table: torch.Tensor, row: int, start: int, end: int) -> torch.Tensor:
     """``table[row, start:end]`` as a fresh int64 tensor on the table's device. On the CPU one NumPy
-    copy-convert (about half the cost of the torch indexing and ``to`` for a chunk's few slots)."""
-    if table.device.type == "cpu" and not table.requires_grad:
+    copy-convert (about half the cost of the torch indexing and ``to`` for a chunk's few slots); on a
+    device a device-side copy, never read on the host (no sync)."""
+    if on_host(table) and not table.requires_grad:
         return torch.from_numpy(table.numpy()[row, start:end].astype(np.int64))
     return table[row, start:end].to(torch.int64, copy=True)
 

@@ -14,15 +14,17 @@ from typing import Any
 
 import torch
 
-from transfer.gather import ChunkCopy
+from transfer.gather import ChunkCopy, Staging
 from transfer.host_pool import HostPool
 from transfer.kv_pool import KVPool
 from transfer.worker import BackgroundWorker, Done
-from transfer.errors import Closed
+from transfer.errors import Closed, DeviceMismatch
 
 
 class CpuCopyEngine:
-    """Copies on ``threads`` worker threads (torch releases the GIL while copying).
+    """Copies on ``threads`` worker threads (torch releases the GIL while copying), between pools
+    in host memory only: a device (CUDA) pool is refused (``DeviceMismatch``), since a worker
+    thread would copy it outside any stream order and report it done at launch, not landing.
 
     Args:
         threads: worker threads; with more than one, completions may come out of order.
@@ -36,20 +38,41 @@ class CpuCopyEngine:
         """Copies submitted and not yet reported by ``poll``."""
         return self._worker.pending
 
+    def check_pool(self, kv) -> None:
+        """Raise ``DeviceMismatch`` unless ``kv`` (a device KV pool) lives in host memory."""
+        device = kv.device  # a torch.device (KVPool, LayeredKVPool): one attribute read per copy
+        if device.type != "cpu":
+            raise DeviceMismatch(
+                f"{type(self).__name__} copies host-memory pools only; this pool is on {device} "
+                f"(use the CUDA engine: make_copy_engine({str(device)!r}))")
+
     def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
         """Run ``fn`` as one copy job; ``poll`` reports ``tag`` when it has run."""
         self._worker.submit(tag, fn)
 
-    def to_host(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+    def to_host(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                check_end: int | None = None) -> None:
         """Enqueue device ``slots`` -> host ``host_pages`` (same page count, whole aligned pages).
 
-        The plan is built and run on the worker: the caller's thread only queues the job.
-        """
-        self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages).to_host())
+        The plan is built and run on the worker: the caller's thread only queues the job (and
+        never reads ``slots``). With ``check_end`` the worker first checks ``slots`` are whole
+        aligned pages inside ``0 .. check_end-1``; if not, the copy fails (``Done.error``).
 
-    def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
-        """Enqueue host ``host_pages`` -> device ``slots`` (planned and run on the worker)."""
-        self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages).to_device())
+        Raises:
+            DeviceMismatch: ``kv`` is not in host memory (nothing queued).
+        """
+        self.check_pool(kv)
+        self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages, check_end).to_host())
+
+    def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                  check_end: int | None = None) -> None:
+        """Enqueue host ``host_pages`` -> device ``slots`` (planned and run on the worker).
+
+        Raises:
+            DeviceMismatch: ``kv`` is not in host memory (nothing queued).
+        """
+        self.check_pool(kv)
+        self.submit(tag, lambda: ChunkCopy(kv, host, slots, host_pages, check_end).to_device())
 
     def poll(self) -> list[Done]:
         """Copies finished since the last call (``Done.error`` set if one raised). Never blocks."""
@@ -87,19 +110,33 @@ class CudaCopyEngine:
             raise RuntimeError("CudaCopyEngine needs CUDA")
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
-        self._inflight: list[tuple[Any, torch.cuda.Event, Any, BaseException | None]] = []
+        #: the copy stream's one staging buffer (only ever used on ``stream``)
+        self.staging_buffer = Staging(self.device)
+        # (tag, event, (the launch, what it returned), launch error): held until the event fires
+        self._inflight: list[tuple[Any, torch.cuda.Event, tuple, BaseException | None]] = []
         self._closed = False
 
     @property
     def pending(self) -> int:
         return len(self._inflight)
 
+    def check_pool(self, kv) -> None:
+        """Raise ``DeviceMismatch`` unless ``kv`` lives on this engine's CUDA device."""
+        device = torch.device(kv.device)
+        if device.type != "cuda" or _cuda_index(device) != _cuda_index(self.device):
+            raise DeviceMismatch(f"{type(self).__name__} on {self.device} cannot copy a pool on {device}")
+
     def submit(self, tag: Any, fn: Callable[[], Any]) -> None:
         """Launch ``fn`` on the copy stream after the compute stream's queued work.
 
-        Whatever ``fn`` returns is kept alive until the copy's event has fired. If ``fn`` raises
-        while launching, the tag is still reported once by ``poll``, with ``Done.error`` set (after
-        the event, so work it did launch has finished before the caller reuses anything).
+        The stream rule (docs/architecture.md): the copy stream first waits on the caller's current
+        stream (``wait_stream``), so everything queued there before (the forward writing the KV,
+        the kernel that filled the slot ids) is ordered before the copy; ``fn`` allocates what it
+        needs on the copy stream; whatever ``fn`` returns (and ``fn`` itself, with everything its
+        closure holds) stays referenced until the copy's event, recorded on the copy stream after
+        the launch, has fired. If ``fn`` raises while launching, the tag is still reported once by
+        ``poll``, with ``Done.error`` set, after that event (work it did launch has finished, and
+        what it launched with stayed alive until then).
         """
         if self._closed:
             raise Closed("copy engine is closed")
@@ -113,29 +150,54 @@ class CudaCopyEngine:
             except Exception as err:  # reported through poll, like the CPU engine's worker
                 keep, error = None, err
             done.record(self.stream)
-        self._inflight.append((tag, done, keep, error))
+        self._inflight.append((tag, done, (fn, keep), error))
 
-    def _launch(self, plan: ChunkCopy, run: Callable[[], None]) -> Callable[[], ChunkCopy]:
-        def go() -> ChunkCopy:
-            run()
-            return plan  # keeps index and staging tensors alive until the event fires
+    def _launch(self, make: Callable[[], Any], method: str, inputs: tuple = ()) -> Callable[[], Any]:
+        """A launch that builds its plan on the copy stream (``make``) and runs ``method``; the
+        plan is held by the closure from the moment it exists, so a launch failing half way keeps
+        what it queued alive until the event. ``inputs`` (tensors made on another stream) are
+        marked used on the copy stream (``record_stream``)."""
+        held: list = []
+
+        def go() -> Any:
+            for t in inputs:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self.stream)
+            plan = make()
+            held.append(plan)
+            getattr(plan, method)()
+            return plan
         return go
 
-    def to_host(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
-        plan = ChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, self._launch(plan, plan.to_host))
+    def to_host(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                check_end: int | None = None) -> None:
+        """Device ``slots`` -> host ``host_pages``, planned and launched on the copy stream; with
+        ``check_end`` the slot ids are checked on the device (``gather.check_on_device``) and a bad
+        chunk is reported by ``poll`` with ``Done.error`` (never read on the host here)."""
+        self.check_pool(kv)
+        self.submit(tag, self._launch(lambda: ChunkCopy(kv, host, slots, host_pages, check_end, self.staging_buffer),
+                                      "to_host", (slots,)))
 
-    def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
-        plan = ChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, self._launch(plan, plan.to_device))
+    def to_device(self, tag: Any, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                  check_end: int | None = None) -> None:
+        self.check_pool(kv)
+        self.submit(tag, self._launch(lambda: ChunkCopy(kv, host, slots, host_pages, check_end, self.staging_buffer),
+                                      "to_device", (slots,)))
 
     def poll(self) -> list[Done]:
-        """Copies whose event has fired (``event.query()``); never synchronizes."""
+        """Copies whose event has fired (``event.query()``); never synchronizes. A copy whose
+        device-side index check failed is reported with ``Done.error`` (read from pinned memory)."""
         done, still = [], []
         for entry in self._inflight:
             (done if entry[1].query() else still).append(entry)
         self._inflight = still
-        return [Done(tag, error=error) for tag, _, _, error in done]
+        out = []
+        for tag, _, (_, plan), error in done:
+            if error is None:
+                check = getattr(plan, "landed_error", None)
+                error = check() if check is not None else None
+            out.append(Done(tag, error=error))
+        return out
 
     def unfinished(self) -> list:
         """Tags of copies whose event has not fired yet. Never synchronizes."""
@@ -165,12 +227,23 @@ class CudaCopyEngine:
         return True
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 CopyEngine = CpuCopyEngine | CudaCopyEngine
 
 
 def make_copy_engine(device: torch.device | str, threads: int = 2) -> CopyEngine:
-    """The engine for a KV pool on ``device``: CUDA stream engine on CUDA, threads otherwise."""
+    """The engine for a KV pool on ``device``: the CUDA stream engine on CUDA, worker threads on
+    the CPU.
+
+    Raises:
+        DeviceMismatch: ``device`` is neither the CPU nor a usable CUDA device.
+    """
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         return CudaCopyEngine(device)
+    if device.type != "cpu":
+        raise DeviceMismatch(f"no copy engine for a pool on {device} (CUDA available: {torch.cuda.is_available()})")
     return CpuCopyEngine(threads)

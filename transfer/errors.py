@@ -39,6 +39,16 @@ class HostPagesBusy(TransferError):
     """Host pages are still read by an in-flight storage op and cannot be freed yet."""
 
 
+class DeviceMismatch(TransferError, ValueError):
+    """A copy engine was given a pool on a device it cannot copy from (the CPU engine and a CUDA
+    pool: its worker threads would read device memory with no stream order); nothing was queued."""
+
+
+class PinningFailed(TransferError, RuntimeError):
+    """A host pool could not be pinned (page-locked) for the GPU and the caller did not allow
+    pageable memory; nothing stays allocated."""
+
+
 class Closed(TransferError):
     """The component was closed; it accepts no more work."""
 

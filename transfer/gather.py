@@ -4,8 +4,9 @@ Both pools are viewed as "rows" of one (kind, layer, token) each, ``heads * head
 wide, reinterpreted as the widest integer type that divides a row (dtype-agnostic, fp8 included).
 
 * CUDA: one device ``index_select`` (a flat row index in host order ``(page, kind, token, layer)``)
-  into a staging buffer, then one async D2H copy per run of consecutive host pages (and the
-  reverse for loads): one gather launch per chunk.
+  into the copy stream's staging buffer (``Staging``: allocated once, grown to the largest chunk,
+  never per chunk), then one async D2H copy per run of consecutive host pages (and the reverse for
+  loads): one gather launch per chunk.
 * CPU, device -> host: one ``index_select`` of whole device pages (``[kind, layer, page, token]``
   blocks) per run of consecutive host pages, written straight into the host pages through a
   permuted view: one op per chunk when its host pages are consecutive (the host pool hands out
@@ -20,7 +21,9 @@ import weakref
 
 import torch
 
+from transfer.errors import BadIndices
 from transfer.host_pool import HostPool
+from transfer.indices import as_index_tensor, pages_of_slots
 from transfer.kv_pool import KVPool
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -40,6 +43,32 @@ def word_rows(buffer: torch.Tensor, row_bytes: int, word: torch.dtype) -> torch.
     return buffer.view(-1).view(torch.uint8).view(word).view(-1, row_bytes // torch.empty((), dtype=word).element_size())
 
 
+def check_on_device(index: torch.Tensor, page_size: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check device slot ids (whole aligned pages inside ``0 .. end-1``) without reading them on
+    the host: the verdict is a pinned host flag the device writes asynchronously, to be read once
+    the copy's event has fired (``landed_error``). Returns the ids clamped into the pool, so a bad
+    chunk gathers harmless rows (never an out-of-bounds device access), and the flag.
+
+    Issued on the current stream (the copy stream): allocations and reads stay on that stream.
+    """
+    grid = index.view(-1, page_size)
+    first = grid[:, :1]
+    ok = ((grid - first) == torch.arange(page_size, device=index.device)).all()
+    ok &= ((first % page_size) == 0).all() & (first >= 0).all() & (first <= end - page_size).all()
+    flag = torch.zeros((), dtype=torch.bool, pin_memory=torch.cuda.is_available())
+    flag.copy_(ok, non_blocking=True)
+    return index.clamp(0, end - 1), flag
+
+
+def landed_error(flag: torch.Tensor | None, end: int):
+    """After the copy's event fired: ``BadIndices`` when ``check_on_device`` found the ids bad, else
+    None. Reads host memory only."""
+    if flag is None or bool(flag):
+        return None
+    return BadIndices(f"device indices are not whole, page-aligned pages inside 0..{end - 1}: "
+                      f"the copy moved nothing worth keeping")
+
+
 def host_order_rows(kv: KVPool, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat device row ids of ``slots`` (whole pages) in host page-first order.
 
@@ -47,8 +76,9 @@ def host_order_rows(kv: KVPool, slots: torch.Tensor, page_size: int) -> torch.Te
     ordered ``[page, kind, token-in-page, layer]``, matching a host page ``[kinds, page_size,
     layers, ...]``.
     """
-    plane = (torch.arange(kv.kinds).view(1, -1, 1, 1) * kv.layers
-             + torch.arange(kv.layers).view(1, 1, 1, -1)) * kv.slots
+    dev = slots.device
+    plane = (torch.arange(kv.kinds, device=dev).view(1, -1, 1, 1) * kv.layers
+             + torch.arange(kv.layers, device=dev).view(1, 1, 1, -1)) * kv.slots
     return (plane + slots.view(-1, 1, page_size, 1)).reshape(-1)
 
 
@@ -95,26 +125,77 @@ def pair_views(kv: KVPool, host: HostPool) -> _Views:
     return views
 
 
+class Staging:
+    """One device staging buffer per copy stream, reused by every chunk copy on that stream and
+    grown (never shrunk) to the largest chunk seen: no allocation per chunk. Reuse is safe because
+    every use is on the one stream: a chunk's gather into the buffer is queued after the previous
+    chunk's device -> host copy out of it.
+
+    Args:
+        device: where the buffer lives (the KV pool's device).
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._buf: torch.Tensor | None = None
+        self.grown = 0  # times a larger buffer was allocated
+
+    def take(self, rows: int, width: int, word: torch.dtype) -> torch.Tensor:
+        """A ``[rows, width]`` view of the buffer as ``word`` (contents undefined)."""
+        nbytes = rows * width * torch.empty((), dtype=word).element_size()
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.grown += 1
+        return self._buf[:nbytes].view(word).view(rows, width)
+
+
 class ChunkCopy:
     """A planned copy between ``slots`` (device, whole page-aligned pages) and ``host_pages``
     (host), same page count.
 
-    Construction is cheap (it runs on the scheduler thread): it keeps the index tensors and the
-    pools' cached views. On CPU the page ids and runs are worked out by ``to_host`` /
-    ``to_device`` (on the copy worker); on CUDA the device row index is built here, and the plan
+    Two ways. *Direct* (CPU pools, copy worker): the page ids and runs are worked out by
+    ``to_host`` / ``to_device`` and the data moves through permuted views, no staging. *Staged*
+    (CUDA; on the CPU when a ``Staging`` is given, which tests use to run the CUDA path's logic): a
+    device row index in host order is built here, on the current stream (the copy stream), then one
+    gather into the staging buffer and one async copy per run of consecutive host pages. The plan
     holds every tensor it launched with until the caller drops it after the copy's event.
+
+    Args:
+        check_end: when given, the slot ids must be whole aligned pages inside ``0 .. check_end-1``;
+            direct: checked here (``BadIndices``); staged: checked on the device, the verdict read
+            by ``landed_error`` after the copy's event (a bad chunk moves harmless clamped rows).
+        staging: the engine's ``Staging`` (None on CUDA: a buffer allocated for this plan).
     """
 
-    def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor):
+    def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                 check_end: int | None = None, staging: Staging | None = None):
         self.kv, self.host = kv, host
         self.slots, self.host_pages = slots, host_pages
         self.views = pair_views(kv, host)
         self.rows_per_page = kv.kinds * host.page_size * kv.layers
         self.staging: torch.Tensor | None = None
-        self.cuda = kv.device.type == "cuda"
+        self.pool = staging
+        self.cuda = kv.device.type == "cuda" or staging is not None  # the staged path
+        self.check_end, self.ok = check_end, None
         if self.cuda:
-            self.index = host_order_rows(kv, slots, host.page_size).to(kv.device, non_blocking=True)
+            index = slots.to(kv.device, dtype=torch.int64, non_blocking=True)
+            if check_end is not None:
+                index, self.ok = check_on_device(index, host.page_size, check_end)
+            self.index = host_order_rows(kv, index, host.page_size)
             self.runs = page_runs(host_pages)
+        elif check_end is not None:  # on the copy worker: the ids may be read here
+            self.slots = as_index_tensor(slots, "device indices")
+            pages_of_slots(self.slots.numpy(), host.page_size, "device indices", check_end)
+
+    def _stage(self) -> torch.Tensor:
+        rows, width, word = self.index.numel(), self.views.dev_rows.shape[1], self.views.dev_rows.dtype
+        if self.pool is not None:
+            return self.pool.take(rows, width, word)
+        return torch.empty((rows, width), dtype=word, device=self.kv.device)
+
+    def landed_error(self):
+        """Once the copy's event has fired: the ``BadIndices`` its device-side check found, or None."""
+        return landed_error(self.ok, self.check_end)
 
     def _run_slices(self):
         rpp = self.rows_per_page
@@ -131,7 +212,8 @@ class ChunkCopy:
         permuted view. CUDA: one device gather, then async D2H per run (current stream)."""
         v = self.views
         if self.cuda:
-            self.staging = v.dev_rows.index_select(0, self.index)
+            self.staging = self._stage()
+            torch.index_select(v.dev_rows, 0, self.index, out=self.staging)  # one gather launch
             for src, dst in self._run_slices():
                 v.host_rows[dst].copy_(self.staging[src], non_blocking=True)
             return
@@ -145,9 +227,7 @@ class ChunkCopy:
         CUDA: async H2D per run into staging, then one device scatter."""
         v = self.views
         if self.cuda:
-            self.staging = torch.empty(
-                (self.index.numel(), v.dev_rows.shape[1]), dtype=v.dev_rows.dtype, device=self.kv.device
-            )
+            self.staging = self._stage()
             for src, dst in self._run_slices():
                 self.staging[src].copy_(v.host_rows[dst], non_blocking=True)
             v.dev_rows.index_copy_(0, self.index, self.staging)

@@ -38,7 +38,7 @@ from transfer.errors import (
     BadIndices, Closed, HostPagesBusy, NotAllocated, StorageError, TransferError, UnknownId,
 )
 from transfer.host_pool import HostPool
-from transfer.indices import as_index_tensor, pages_of_slots, slots_of_pages
+from transfer.indices import as_index_tensor, check_device_indices, on_host, pages_of_slots, slots_of_pages
 from transfer.kv_pool import KVPool
 from transfer.log import get_logger
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
@@ -51,7 +51,8 @@ log = get_logger(__name__)
 class OffloaderStats(msgspec.Struct):
     """Counters since construction; ``host_free_pages`` and ``in_flight_*`` are current values.
 
-    ``writes_rejected`` counts writes refused for want of host pages (backpressure).
+    ``writes_rejected`` counts writes refused for want of host pages (backpressure);
+    ``copies_discarded`` counts copies the caller discarded (``discard_write``) before they ended.
     """
 
     writes: int = 0
@@ -59,6 +60,7 @@ class OffloaderStats(msgspec.Struct):
     writes_landed: int = 0
     copy_failures: int = 0
     copy_expired: int = 0
+    copies_discarded: int = 0
     storage_ops: int = 0
     storage_ok: int = 0
     storage_failed: int = 0
@@ -93,6 +95,8 @@ class HostOffloader:
     Raises:
         ValueError: pools of different shape or dtype, ``write_timeout_s <= 0`` or a negative
             log interval.
+        DeviceMismatch (a ValueError): the copy engine cannot copy from ``kv_pool``'s device (the
+            CPU engine and a CUDA pool).
     """
 
     def __init__(
@@ -115,11 +119,16 @@ class HostOffloader:
         self.write_timeout_s, self._clock = write_timeout_s, clock
         self.kv, self.host, self.storage = kv_pool, host_pool, storage
         self.page_size = host_pool.page_size
-        self.engine = copy_engine if copy_engine is not None else make_copy_engine(kv_pool.device)
+        engine = copy_engine if copy_engine is not None else make_copy_engine(kv_pool.device)
+        check_pool = getattr(engine, "check_pool", None)
+        if check_pool is not None:
+            check_pool(kv_pool)  # DeviceMismatch before any worker starts
+        self.engine = engine
         self._storage_worker = BackgroundWorker("kv-storage", storage_threads)
         self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
-        self._expired_acks: set[int] = set()  # expired, copy not yet ended
+        self._expired_acks: set[int] = set()  # expired (discarded ones included), copy not yet ended
+        self._discarded: set[int] = set()  # discarded, not yet listed by expired_writes
         self._failed_writes: list[int] = []
         self._ops: dict[int, list[int]] = {}  # storage op -> host pages
         self._op_ids = itertools.count(1)
@@ -138,14 +147,22 @@ class HostOffloader:
     def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
         """See ``Offloader.write``.
 
+        Slot ids in host memory are checked here. Slot ids on a device (``req_to_token`` on CUDA)
+        are never read on the calling thread: their shape is checked here, their values where the
+        copy runs, and a chunk that is not whole aligned pages inside the pool is a failed copy
+        (``failed_writes``), not a ``BadIndices`` (docs/architecture.md, "Streams").
+
         Raises:
             Closed: after ``close``. UnknownId: ``ack_id`` already pending.
-            BadIndices: empty, not whole page-aligned pages, or outside the device pool.
+            BadIndices: empty, not whole page-aligned pages, or outside the device pool (slot ids
+                on a device: not a 1-D integer tensor of whole pages).
         """
         if self._closed:
             raise Closed("offloader is closed")
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
+        if isinstance(device_indices, torch.Tensor) and not on_host(device_indices):
+            return self._write_on_device(device_indices, ack_id)
         slots = as_index_tensor(device_indices, "device indices")
         view = slots.numpy()
         n_pages = pages_of_slots(view, self.page_size, "device indices", self.kv.slots).shape[0]
@@ -164,6 +181,37 @@ class HostOffloader:
             self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages))
         except BaseException:
             self.host.free_pages(pages)  # nothing was enqueued: the pages go back, the ack is never reported
+            raise
+        host_pages = pages.tolist()
+        self._writes[ack_id] = (host_pages, slots)
+        if self.write_timeout_s is not None:
+            self._deadlines[ack_id] = self._clock() + self.write_timeout_s
+        self._landing.update(host_pages)
+        self._stats.writes += 1
+        return slots_of_pages(pages, self.page_size, ascending=True)
+
+    def _write_on_device(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
+        """``write`` of slot ids that live on the device (``req_to_token`` on CUDA): never read on
+        the host (no device -> host sync on the scheduler thread). Their shape is checked here; their
+        values (whole aligned pages inside the pool) where the copy runs: a bad chunk fails its copy
+        (``failed_writes``: nothing stored) instead of raising here."""
+        check_device_indices(device_indices, self.page_size, "device indices")
+        n_pages = device_indices.shape[0] // self.page_size
+        if n_pages == 0:
+            raise BadIndices("a write needs at least one page")
+        pages = self.host.alloc_pages(n_pages)
+        if pages is None:
+            self._rejected(ack_id, n_pages)
+            return None
+        if self._rejected_run:
+            log.info("offloader.host_recovered", rejected=self._rejected_run)
+            self._rejected_run = 0
+        slots = device_indices.to(torch.int64, copy=True)  # a device-side copy: the caller may reuse theirs
+        try:
+            self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages),
+                                check_end=self.kv.slots)
+        except BaseException:
+            self.host.free_pages(pages)
             raise
         host_pages = pages.tolist()
         self._writes[ack_id] = (host_pages, slots)
@@ -198,7 +246,7 @@ class HostOffloader:
             self._landing.difference_update(pages)
             if self._deadlines:
                 self._deadlines.pop(tag, None)
-            if done.error is not None or tag in self._expired_acks:
+            if done.error is not None or tag in self._expired_acks or (self._discarded and tag in self._discarded):
                 self._landed_bad(tag, pages, done.error)
             self._stats.writes_landed += 1
             out.append(tag)
@@ -207,6 +255,7 @@ class HostOffloader:
     def _landed_bad(self, tag: int, pages: list[int], error: BaseException | None) -> None:
         expired = tag in self._expired_acks
         self._expired_acks.discard(tag)
+        self._discarded.discard(tag)  # discarded and ended before expired_writes listed it
         self._poisoned.update(pages)
         if error is not None:
             self._stats.copy_failures += 1
@@ -238,11 +287,36 @@ class HostOffloader:
                 self._expired_acks.add(ack)
                 pages = self._writes[ack][0]
                 self._poisoned.update(pages)
-                self._stats.copy_expired += 1
-                log.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
-                          pages=len(pages))
+                if ack in self._discarded:  # counted and logged by discard_write
+                    self._discarded.discard(ack)
+                else:
+                    self._stats.copy_expired += 1
+                    log.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
+                              pages=len(pages))
                 out.append(ack)
         return out
+
+    def discard_write(self, ack_id: int) -> None:
+        """The caller gave up on a copy still in flight (its device slots are being freed under it,
+        by someone else): whatever it lands is worthless. The copy is not cancelled (it cannot be):
+        it is expired at once — listed by the next ``expired_writes``, its host pages poisoned
+        (never stored) — and when it ends it is reported by ``finished_writes`` and listed by
+        ``failed_writes``, as an expired copy is. Counted in ``copies_discarded`` (not in
+        ``copy_expired``); a second call for the same ack changes nothing.
+
+        Raises:
+            UnknownId: ``ack_id`` is not a copy in flight (never written, or already reported).
+        """
+        entry = self._writes.get(ack_id)
+        if entry is None:
+            raise UnknownId(f"ack id {ack_id} is not a copy in flight")
+        if ack_id in self._expired_acks or ack_id in self._discarded:
+            return
+        self._deadlines[ack_id] = float("-inf")  # expired at the next expired_writes
+        self._discarded.add(ack_id)
+        self._poisoned.update(entry[0])
+        self._stats.copies_discarded += 1
+        log.warning("offloader.copy_discarded", ack_id=ack_id, pages=len(entry[0]))
 
     # -- host -> storage ----------------------------------------------------------------------
     def write_storage(
@@ -381,7 +455,7 @@ class HostOffloader:
         if not stuck and not ops:
             return CloseReport(clean=True, timeout=timeout)
         host = sorted(p for t in stuck for p in self._writes[t][0])
-        dev = sorted({s for t in stuck for s in self._writes[t][1].tolist()})
+        dev = sorted({s for t in stuck for s in self._writes[t][1].tolist()})  # at close: may read the device
         busy = sorted({p for t in ops for p in self._ops[t]})
         reason = (f"close timed out after {timeout}s: {len(stuck)} device->host copies and {len(ops)} "
                   f"storage ops still running (cannot be cancelled); device slots {len(dev)} stay "

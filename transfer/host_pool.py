@@ -5,15 +5,19 @@ kinds = 1, heads = 1). One page's bytes are ``[kinds, page_size, layers, heads, 
 same bytes SGLang's ``MHATokenToKVPoolHost.get_data_page(index, flat=True)`` yields for layout
 ``page_first`` (``kv_buffer[:, index:index+page_size]`` of a ``(2, size, layers, heads, dim)``
 buffer) and ``MLATokenToKVPoolHost`` yields for ``(size, layers, 1, dim)``. Pinned when CUDA is
-available; pageable (with a warning) when pinning fails.
+available: the exact buffer registered with ``cudaHostRegister`` (as SGLang does), unregistered on
+``close``; a pool that cannot be pinned raises ``PinningFailed`` unless the caller allows pageable
+memory (``allow_pageable=True``: then a warning, and pageable memory).
 """
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
-from transfer.errors import BadIndices
+from transfer.errors import BadIndices, PinningFailed
 from transfer.indices import page_ids, slots_of_pages
 from transfer.log import get_logger
 from transfer.page_set import PageSet
@@ -21,14 +25,57 @@ from transfer.page_set import PageSet
 log = get_logger(__name__)
 
 
-def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool | None) -> torch.Tensor:
+def _cudart():
+    """The CUDA runtime bindings torch ships (``cudaHostRegister`` / ``cudaHostUnregister``); None
+    without a usable CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.cudart()
+
+
+def _register(buffer: torch.Tensor) -> str | None:
+    """Page-lock ``buffer``'s exact bytes for the GPU (``cudaHostRegister``, as SGLang's host pool
+    does: torch's ``pin_memory=True`` goes through the caching host allocator, which rounds one big
+    buffer up to a power of two). Returns None when registered, else why not."""
+    cudart = _cudart()
+    if cudart is None:
+        return "CUDA is not available"
+    nbytes = buffer.numel() * buffer.element_size()
+    rc = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    if rc != 0:
+        return f"cudaHostRegister of {nbytes} bytes failed (rc={rc}, {cudart.cudaGetErrorString(rc)})"
+    return None
+
+
+def _unregister(buffer: torch.Tensor) -> None:
+    """``cudaHostUnregister`` of ``buffer`` (kept alive until then by the finalizer holding it); a
+    failure is logged (at shutdown there is nothing else to do)."""
+    cudart = _cudart()
+    if cudart is None:
+        return
+    rc = int(cudart.cudaHostUnregister(buffer.data_ptr()))
+    if rc != 0:
+        log.warning("host_pool.unregister_failed", rc=rc, error=str(cudart.cudaGetErrorString(rc)))
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pin: bool | None,
+                 allow_pageable: bool) -> tuple[torch.Tensor, bool]:
+    """The zeroed host buffer and whether it is registered (pinned)."""
     want_pin = torch.cuda.is_available() if pin is None else pin
-    if want_pin:
-        try:
-            return torch.zeros(shape, dtype=dtype, pin_memory=True)
-        except RuntimeError as err:
-            log.warning("host_pool.pin_failed", error=str(err), fallback="pageable")
-    return torch.zeros(shape, dtype=dtype)
+    buffer = torch.zeros(shape, dtype=dtype)
+    if not want_pin:
+        return buffer, False
+    why = _register(buffer)
+    if why is None:
+        return buffer, True
+    nbytes = buffer.numel() * buffer.element_size()
+    if not allow_pageable:
+        del buffer
+        raise PinningFailed(
+            f"cannot pin the {nbytes}-byte host pool ({why}); pass allow_pageable=True to run on pageable "
+            f"memory, where every device->host copy blocks the scheduler thread")
+    log.warning("host_pool.pin_failed", error=why, bytes=nbytes, fallback="pageable")
+    return buffer, False
 
 
 class HostPool:
@@ -39,9 +86,12 @@ class HostPool:
         page_size: tokens per page.
         tokens: capacity, a positive multiple of ``page_size``.
         mla: latent-only layout.
-        pin: pin the buffer (None: when CUDA is available).
+        pin: pin the buffer (None: when CUDA is available), at its exact size.
+        allow_pageable: when pinning fails, warn and use pageable memory instead of raising.
     Raises:
         ValueError: bad sizes.
+        PinningFailed: pinning was asked for (or CUDA is available) and failed, and
+            ``allow_pageable`` is False; nothing stays allocated.
     """
 
     def __init__(
@@ -54,6 +104,7 @@ class HostPool:
         tokens: int,
         mla: bool = False,
         pin: bool | None = None,
+        allow_pageable: bool = False,
     ) -> None:
         if page_size < 1 or tokens < page_size or tokens % page_size:
             raise ValueError(f"tokens ({tokens}) must be a positive multiple of page_size ({page_size})")
@@ -63,10 +114,11 @@ class HostPool:
         self.page_size, self.size, self.mla = page_size, tokens, mla
         self.kinds = 1 if mla else 2
         self.num_pages = tokens // page_size
-        self.buffer = _host_buffer(
-            (self.num_pages, self.kinds, page_size, layers, heads, head_dim), dtype, pin
+        self.buffer, self.pinned = _host_buffer(
+            (self.num_pages, self.kinds, page_size, layers, heads, head_dim), dtype, pin, allow_pageable
         )
-        self.pinned = self.buffer.is_pinned()
+        # unregistered on close, or when the pool is collected (before its buffer is freed)
+        self._unpin = (weakref.finalize(self, _unregister, self.buffer) if self.pinned else None)
         self.page_nbytes = self.buffer[0].numel() * self.buffer.element_size()
         self.row_bytes = heads * head_dim * self.buffer.element_size()
         self._pages = PageSet(self.num_pages)
@@ -139,3 +191,11 @@ class HostPool:
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + held pages == total pages."""
         self._pages.check_integrity()
+
+    def close(self) -> None:
+        """Unpin the buffer (``cudaHostUnregister``) once nothing copies into it any more (the
+        offloader and prefix loader are closed). Idempotent; the pool's memory stays readable,
+        pageable from now on."""
+        if self._unpin is not None:
+            self._unpin()
+            self.pinned = False

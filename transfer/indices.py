@@ -16,6 +16,32 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 _NO_PAGES.flags.writeable = False
 
 
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read on the calling thread for free: host memory. A CUDA
+    tensor's cannot (reading one waits for its stream: a device -> host sync), nor can a tensor
+    that declares itself device-resident (``device_resident = True``: the test kit's stand-in for
+    device memory on a machine without a GPU, ``lifecycle_tools.testkit.sync_trap``)."""
+    return t.device.type == "cpu" and not (type(t) is not torch.Tensor and getattr(t, "device_resident", False))
+
+
+def check_device_indices(indices: torch.Tensor, page_size: int, what: str = "indices") -> None:
+    """What can be checked of device-resident slot ids without reading them: an integer dtype,
+    1-D, a whole number of pages. Their values (aligned pages, range) are checked where the copy
+    runs (``transfer.gather.ChunkCopy(check_end=...)``).
+
+    Raises:
+        BadIndices: not a tensor, not an integer dtype, not 1-D, or not a whole number of pages.
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise BadIndices(f"{what} must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in _INT_DTYPES:
+        raise BadIndices(f"{what} must have an integer dtype, got {indices.dtype}")
+    if indices.dim() != 1:
+        raise BadIndices(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+    if indices.shape[0] % page_size:
+        raise BadIndices(f"{what}: {indices.shape[0]} slots is not a whole number of pages of {page_size}")
+
+
 def as_index_tensor(indices: torch.Tensor, what: str = "indices") -> torch.Tensor:
     """Validate ``indices`` and return them as a 1-D int64 CPU tensor (itself when already so).
 

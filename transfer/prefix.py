@@ -196,29 +196,39 @@ class PrefixLoader:
         return len(hashes)
 
     def _load(self, hashes: list[str], slots: torch.Tensor, host_pages: torch.Tensor,
-              ready: "torch.cuda.Event | None") -> int:
+              ready: "torch.cuda.Event | None") -> tuple[int, "torch.cuda.Event | None"]:
         bufs = [self.host.page_bytes(p) for p in host_pages.tolist()]
         got = self.storage.batch_get(hashes, bufs)
         n = got.index(False) if False in got else len(got)
         if n == 0:
-            return 0
-        plan = ChunkCopy(self.kv, self.host, slots[: n * self.page_size], host_pages[:n])
+            return 0, None
         if ready is None:
-            plan.to_device()
-            return n
+            ChunkCopy(self.kv, self.host, slots[: n * self.page_size], host_pages[:n]).to_device()
+            return n, None
+        # the stream rule (docs/architecture.md): the load stream waits for the scheduler's stream
+        # as it was at start (the slots' previous reads), the plan's index is built and used on the
+        # load stream (one stream: no unordered H2D), and the scheduler's stream waits for the
+        # load's event before the model reads the slots (``finished``: the load fence)
         stream = torch.cuda.Stream(self.kv.device)
         stream.wait_event(ready)
         with torch.cuda.stream(stream):
+            plan = ChunkCopy(self.kv, self.host, slots[: n * self.page_size], host_pages[:n])
             plan.to_device()
-        stream.synchronize()  # blocks this worker thread only
-        return n
+            loaded = torch.cuda.Event()
+            loaded.record(stream)
+        stream.synchronize()  # blocks this worker thread only: the host pages may be reused after
+        return n, loaded
 
     def finished(self) -> list[PrefixLoad]:
-        """Loads finished since the last call. Never blocks."""
+        """Loads finished since the last call. Never blocks. On CUDA the caller's current stream is
+        made to wait for each reported load (its event), so work queued on it afterwards (the model
+        reading the loaded slots) is ordered after the load."""
         out = []
         for done in self._worker.poll():
             p = self._pending.pop(done.tag)
-            n = 0 if done.error is not None else done.value
+            n, loaded = (0, None) if done.error is not None else done.value
+            if loaded is not None:  # the load fence: the scheduler's stream waits (no host sync)
+                torch.cuda.current_stream(self.kv.device).wait_event(loaded)
             self.host.free(p.host)
             keep = n * self.page_size
             if keep < p.slots.numel():

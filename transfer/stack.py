@@ -63,6 +63,8 @@ class TransferStack:
                    f"cannot be cancelled; those pages may still appear)")
             report = msgspec.structs.replace(report, clean=False, abandoned_pages=pages,
                                              reason="; ".join(filter(None, [report.reason, why])))
+        if report.clean:  # nothing copies into or stores from the host pool any more: unpin it
+            self.host_pool.close()
         return report
 
 

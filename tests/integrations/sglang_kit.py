@@ -57,17 +57,18 @@ class Node:
     """One decode node: SGLang's pools, a tree cache, and a manager built by ``make_manager``."""
 
     def __init__(self, kit, *, mla: bool = False, page_size: int = 4, layers: int = 3, heads: int = 2,
-                 dim: int = 8, dtype=torch.bfloat16, tokens: int = 512, rows: int = 8, max_len: int = 160):
+                 dim: int = 8, dtype=torch.bfloat16, tokens: int = 512, rows: int = 8, max_len: int = 160,
+                 device: str = "cpu"):
         self.kit, self.mla, self.ps = kit, mla, page_size
         if mla:
-            self.kv = kit.MLATokenToKVPool(tokens, page_size, dtype, dim - 2, 2, layers, "cpu", False)
+            self.kv = kit.MLATokenToKVPool(tokens, page_size, dtype, dim - 2, 2, layers, device, False)
             self.kinds, self.heads = 1, 1
         else:
-            self.kv = kit.MHATokenToKVPool(tokens, page_size, dtype, heads, dim, layers, "cpu", False)
+            self.kv = kit.MHATokenToKVPool(tokens, page_size, dtype, heads, dim, layers, device, False)
             self.kinds, self.heads = 2, heads
         self.layers, self.dim, self.dtype = layers, dim, dtype
-        self.alloc = kit.Allocator(tokens, page_size, dtype, "cpu", self.kv, False)
-        self.pool = kit.ReqToTokenPool(rows, max_len, "cpu", False)
+        self.alloc = kit.Allocator(tokens, page_size, dtype, device, self.kv, False)
+        self.pool = kit.ReqToTokenPool(rows, max_len, device, False)
         self.tree = kit.TreeCache(self.pool, self.alloc)
         self.expected: dict[str, torch.Tensor] = {}
 
@@ -99,7 +100,7 @@ class Node:
                 table[row, pos] = int(table[row, pos - 1]) + 1
         kv.kv_allocated_len = max(kv.kv_allocated_len, n_tokens)
         loc = table[row, kv.kv_committed_len:n_tokens].long()
-        values = self.expected[req.rid][kv.kv_committed_len:n_tokens]
+        values = self.expected[req.rid][kv.kv_committed_len:n_tokens].to(loc.device)
         store = self.kv.store_dtype  # fp8 is stored as uint8: set_kv_buffer writes a bit view
         values = values if store == self.dtype else values.view(store)
         for layer in range(self.layers):  # what set_kv_buffer stores for an unquantized pool

@@ -63,3 +63,58 @@ def test_pools_of_another_shape_are_refused():
     with pytest.raises(ValueError, match="disagree"):
         LayeredChunkCopy(kv, HostPool(LAYERS, HEADS, DIM, torch.float16, PS, 4 * PS, pin=False),
                          _slots([1]), torch.tensor([0]))
+
+
+def test_the_cpu_engine_refuses_device_buffers_and_none_is_made_for_them():
+    """'meta' stands in for CUDA: buffers that are not in host memory (issue 25, point 6)."""
+    from lifecycle.integrations.sglang.layered_copy import make_layered_copy_engine
+
+    kv = LayeredKVPool([[torch.empty(64, HEADS, DIM, dtype=torch.bfloat16, device="meta") for _ in range(LAYERS)]
+                        for _ in range(2)], mla=False)
+    host = HostPool(LAYERS, HEADS, DIM, kv.dtype, PS, 4 * PS, pin=False)
+    engine = LayeredCpuCopyEngine(1)
+    with pytest.raises(ValueError, match="meta"):  # DeviceMismatch
+        engine.to_host("t", kv, host, _slots([1]), torch.tensor([0]))
+    assert engine.pending == 0
+    engine.close()
+    with pytest.raises(ValueError, match="meta"):
+        make_layered_copy_engine(kv)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("dev_pages,host_pages", [([9, 2, 14], [3, 4, 5]), ([5, 6, 1], [7, 0, 1])])
+def test_the_staged_path_round_trip_is_bit_exact_through_one_reused_buffer(mla, dev_pages, host_pages):
+    """What the CUDA engine runs (one gather per buffer of whole pages straight into its slab of
+    the engine's staging buffer, one copy per host run; ids checked on the device), on CPU."""
+    from transfer.gather import Staging
+
+    kv = _pool(mla)
+    host = HostPool(LAYERS, kv.heads, DIM, kv.dtype, PS, 8 * PS, mla=mla, pin=False)
+    slots, hp = _slots(dev_pages), torch.tensor(host_pages)
+    staging = Staging("cpu")
+    plan = LayeredChunkCopy(kv, host, slots, hp, check_end=64, staging=staging)
+    plan.to_host()
+    assert plan.landed_error() is None
+    want = kv.read(slots)
+    for i, page in enumerate(host_pages):
+        got = host.page_view(page)
+        assert torch.equal(got.view(torch.int16), want[:, :, i * PS:(i + 1) * PS].transpose(1, 2).view(torch.int16))
+    back = _pool(mla)
+    for kind in back.buffers:
+        for buf in kind:
+            buf.zero_()
+    LayeredChunkCopy(back, host, slots, hp, check_end=64, staging=staging).to_device()
+    assert torch.equal(back.read(slots).view(torch.int16), want.view(torch.int16))
+    assert staging.grown == 1
+
+
+def test_the_staged_path_reports_bad_ids_after_the_copy():
+    from transfer.errors import BadIndices
+    from transfer.gather import Staging
+
+    kv = _pool(False)
+    host = HostPool(LAYERS, HEADS, DIM, kv.dtype, PS, 4 * PS, pin=False)
+    plan = LayeredChunkCopy(kv, host, torch.tensor([5, 6, 7, 8]), torch.tensor([0]), check_end=64,
+                            staging=Staging("cpu"))
+    plan.to_host()
+    assert isinstance(plan.landed_error(), BadIndices)

@@ -160,3 +160,69 @@ def test_cpu_engine_close_reports_whether_its_threads_ended():
     gate.set()
     assert [d.tag for d in drain(eng.poll, 1)] == ["stuck"]
     assert eng.close(timeout=5) is True and eng.unfinished() == []
+
+
+# -- the CPU engine copies host-memory pools only (issue 25, point 6) ---------------------------------
+# A pool on another device ('meta' stands in for CUDA here: any device that is not host memory) would
+# be read by a worker thread outside any stream order, and the copy reported done at launch.
+
+
+def test_the_cpu_engine_refuses_a_device_pool_and_queues_nothing():
+    kv, host = pools(device="meta")
+    eng = CpuCopyEngine(threads=1)
+    for copy in (eng.to_host, eng.to_device):
+        with pytest.raises(ValueError, match="meta") as err:
+            copy("x", kv, host, torch.arange(4, 8), torch.tensor([0]))
+        assert type(err.value).__name__ == "DeviceMismatch"
+    assert eng.pending == 0 and eng.poll() == []
+    eng.close()
+
+
+def test_an_offloader_with_the_cpu_engine_over_a_device_pool_is_refused_at_construction():
+    from transfer import HostOffloader, MemoryStorage
+
+    kv, host = pools(device="meta")
+    eng = CpuCopyEngine(threads=1)
+    with pytest.raises(ValueError, match="meta"):
+        HostOffloader(kv, host, MemoryStorage("_t", host.page_nbytes), copy_engine=eng)
+    eng.close()
+
+
+def test_no_engine_is_made_for_a_device_without_one():
+    from transfer import make_copy_engine
+
+    with pytest.raises(ValueError, match="meta"):
+        make_copy_engine("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda"):
+            make_copy_engine("cuda")
+
+
+def test_a_cuda_launch_failing_half_way_keeps_what_it_built_alive_until_the_event():
+    """Issue 25, point 5: the plan (its index and staging tensors, which queued kernels may still
+    read) is held by the launch closure from the moment it exists; ``submit`` keeps that closure
+    until the copy's event fires, on the error path too. The launch logic runs on CPU here."""
+    import gc
+    import weakref
+
+    eng = CudaCopyEngine.__new__(CudaCopyEngine)  # no stream needed: _launch only builds and runs
+    eng.stream = None
+    made = []
+
+    class Plan:
+        def to_host(self):
+            raise RuntimeError("failed after queuing a gather")
+
+    def make():
+        plan = Plan()
+        made.append(weakref.ref(plan))
+        return plan
+
+    go = eng._launch(make, "to_host")
+    with pytest.raises(RuntimeError):
+        go()
+    gc.collect()
+    assert made[0]() is not None  # still alive: the engine holds ``go`` until the event
+    del go
+    gc.collect()
+    assert made[0]() is None

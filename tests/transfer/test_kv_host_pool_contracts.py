@@ -95,13 +95,98 @@ def test_host_index_errors_name_host_indices_and_the_pool_end():
         pool.page_ids(torch.arange(16, 20))           # one page past the pool
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where pinning fails")
-def test_pinning_that_fails_falls_back_to_pageable_memory_with_a_warning():
+class FakeCudart:
+    """``torch.cuda.cudart()``'s two registration calls, recorded; ``rc`` is what register returns."""
+
+    def __init__(self, rc: int = 0):
+        self.rc, self.registered, self.unregistered = rc, [], []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.registered.append((ptr, size, flags))
+        return self.rc
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+    def cudaGetErrorString(self, rc):
+        return "out of memory"
+
+
+@pytest.fixture
+def cudart(monkeypatch):
+    import transfer.host_pool as host_pool
+
+    fake = FakeCudart()
+    monkeypatch.setattr(host_pool, "_cudart", lambda: fake)
+    return fake
+
+
+def test_the_host_pool_is_pinned_at_its_exact_size_and_unpinned_on_close(cudart):
+    pool = HostPool(3, 2, 24, torch.float16, 4, 12, pin=True)  # 3 pages of 1152 bytes: not a power of two
+    nbytes = pool.buffer.numel() * pool.buffer.element_size()
+    assert nbytes == 3 * 2 * 4 * 3 * 2 * 24 * 2
+    assert pool.pinned and cudart.registered == [(pool.buffer.data_ptr(), nbytes, 0)]
+    pool.close()
+    pool.close()
+    assert cudart.unregistered == [pool.buffer.data_ptr()] and not pool.pinned
+
+
+def test_a_pinned_pool_dropped_without_close_is_unpinned(cudart):
+    import gc
+
+    pool = HostPool(1, 1, 2, torch.float16, 4, 8, pin=True)
+    ptr = pool.buffer.data_ptr()
+    del pool
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+
+
+def test_pinning_that_fails_is_one_typed_line_unless_pageable_is_allowed(cudart):
+    from transfer import PinningFailed
+
+    cudart.rc = 2
+    with pytest.raises(PinningFailed) as err:
+        HostPool(1, 1, 2, torch.float16, 4, 8, pin=True)
+    msg = str(err.value)
+    assert "\n" not in msg and "cannot pin the 64-byte host pool" in msg and "rc=2" in msg and "allow_pageable" in msg
+    assert cudart.unregistered == []
     with capture_logs() as logs:
-        pool = HostPool(1, 1, 2, torch.float16, 4, 8, pin=True)
+        pool = HostPool(1, 1, 2, torch.float16, 4, 8, pin=True, allow_pageable=True)
     assert not pool.pinned and pool.buffer.shape == (2, 2, 4, 1, 1, 2) and pool.buffer.dtype == torch.float16
     (warn,) = [e for e in logs if e["event"] == "host_pool.pin_failed"]
-    assert warn["fallback"] == "pageable" and warn["error"] and warn["log_level"] == "warning"
+    assert warn["fallback"] == "pageable" and "rc=2" in warn["error"] and warn["log_level"] == "warning"
+    pool.close()
+    assert cudart.unregistered == []  # never registered: nothing to unregister
+
+
+def test_without_cuda_asking_for_pinned_memory_is_refused_and_the_default_is_pageable():
+    from transfer import PinningFailed
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA")
+    with pytest.raises(PinningFailed, match="CUDA is not available"):
+        HostPool(1, 1, 2, torch.float16, 4, 8, pin=True)
+    assert not HostPool(1, 1, 2, torch.float16, 4, 8).pinned
+
+
+def test_a_stack_closed_cleanly_unpins_its_host_pool(cudart):
+    from transfer import build_stack
+
+    stack = build_stack(1, 1, 4, torch.float16, 4, 64, 32, 2, 32)
+    stack.host_pool.close()  # pinned only where CUDA is available
+    cudart.unregistered.clear()
+    stack.host_pool = pinned = HostPool(1, 1, 4, torch.float16, 4, 32, pin=True)  # as on a GPU machine
+    assert stack.close().clean
+    assert cudart.unregistered == [pinned.buffer.data_ptr()] and not pinned.pinned
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_pool_is_registered_and_unregistered():
+    pool = HostPool(2, 2, 64, torch.bfloat16, 16, 64, pin=True)
+    assert pool.pinned and pool.buffer.is_pinned()
+    pool.close()
+    assert not pool.buffer.is_pinned()
 
 
 def test_kv_values_of_the_wrong_shape_or_dtype_are_named():

@@ -7,8 +7,12 @@ as the integer type of the same width, so every dtype moves bit-exact.
 * CPU: per run of pages consecutive on both sides, one strided copy per (kind, layer); when the
   device pages are scattered (more such runs than runs of host pages), one row gather per
   (kind, layer) and run of host pages instead.
-* CUDA: per (kind, layer) one device ``index_select`` into a staging buffer in host page order,
-  then one async D2H copy per run of consecutive host pages (on the engine's copy stream).
+* CUDA: per (kind, layer) one device ``index_select`` of whole pages straight into that buffer's
+  slab of the engine's staging buffer (``transfer.gather.Staging``: no allocation per chunk), laid
+  out as the host pages, then one async D2H copy per run of consecutive host pages, all on the
+  engine's copy stream: kinds x layers + runs launches per chunk. One launch per chunk would need a
+  kernel over a table of the per-layer buffers' addresses (SGLang's ``transfer_kv_all_layer``);
+  torch has none, and this project ships no custom kernel.
 
 The engines subclass ``transfer``'s, so ``HostOffloader`` drives them unchanged.
 """
@@ -18,7 +22,9 @@ from __future__ import annotations
 import torch
 
 from transfer.copy_engine import CpuCopyEngine, CudaCopyEngine
-from transfer.gather import page_runs
+from transfer.errors import DeviceMismatch
+from transfer.gather import Staging, check_on_device, landed_error, page_runs
+from transfer.indices import as_index_tensor, pages_of_slots
 from transfer.host_pool import HostPool
 
 from lifecycle.integrations.sglang.device_pool import LayeredKVPool
@@ -37,7 +43,8 @@ class LayeredChunkCopy:
         ValueError: the pools disagree on shape or dtype.
     """
 
-    def __init__(self, kv: LayeredKVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor) -> None:
+    def __init__(self, kv: LayeredKVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
+                 check_end: int | None = None, staging: Staging | None = None) -> None:
         shape = (kv.kinds, kv.layers, kv.heads, kv.head_dim, kv.dtype)
         if shape != (host.kinds, host.layers, host.heads, host.head_dim, host.dtype):
             raise ValueError(f"device pool {shape} and host pool disagree")
@@ -46,12 +53,19 @@ class LayeredChunkCopy:
         self.dev = [[b.view(word) for b in kind] for kind in kv.buffers]
         self.host_words = host.buffer.view(word)
         self.n_pages = host_pages.numel()
-        self.cuda = kv.device.type == "cuda"
+        self.cuda = kv.device.type == "cuda" or staging is not None  # the staged path
+        self.check_end, self.ok, self.pool = check_end, None, staging
         if self.cuda:
             self.index = slots.to(kv.device, dtype=torch.int64, non_blocking=True)
+            if check_end is not None:
+                self.index, self.ok = check_on_device(self.index, self.ps, check_end)
+            self.page_ids = self.index.view(-1, self.ps)[:, 0] // self.ps  # device pages, on the device
             self.runs = page_runs(host_pages)
             self.staging: torch.Tensor | None = None
         else:
+            if check_end is not None:  # on the copy worker: the ids may be read here
+                slots = as_index_tensor(slots, "device indices")
+                pages_of_slots(slots.numpy(), self.ps, "device indices", check_end)
             firsts = slots.view(-1, self.ps)[:, 0].tolist()
             self.block_runs = _block_runs(firsts, host_pages.tolist(), self.ps)
             self.runs = page_runs(host_pages)
@@ -61,6 +75,10 @@ class LayeredChunkCopy:
             if self.gather:
                 self.index = slots.to(torch.int64)
 
+    def landed_error(self):
+        """Once the copy's event has fired: the ``BadIndices`` its device-side check found, or None."""
+        return landed_error(self.ok, self.check_end)
+
     def _pages(self, t: torch.Tensor, n: int) -> torch.Tensor:
         return t.view(n, self.ps, self.kv.heads, self.kv.head_dim)
 
@@ -68,8 +86,8 @@ class LayeredChunkCopy:
         """Device -> host (on CUDA: launched on the current stream, asynchronous)."""
         if self.cuda:
             staging = self._staging()
-            for k, layer, buf in self._buffers():
-                staging[:, k, :, layer].copy_(self._pages(buf.index_select(0, self.index), self.n_pages))
+            for k, layer, buf in self._buffers():  # one gather per buffer, straight into its slab
+                torch.index_select(self._whole_pages(buf), 0, self.page_ids, out=staging[:, k, :, layer])
             for pos, first, length in self.runs:
                 self.host_words[first:first + length].copy_(staging[pos:pos + length], non_blocking=True)
             self.staging = staging  # alive until the copy's event fires
@@ -92,10 +110,20 @@ class LayeredChunkCopy:
                 yield k, layer, buf
 
     def _staging(self) -> torch.Tensor:
-        """A device buffer in the host pages' layout for this chunk (CUDA path)."""
+        """A device buffer in the host pages' layout for this chunk (staged path): a view of the
+        engine's ``Staging`` (no allocation per chunk), else one of its own."""
         kv = self.kv
-        return torch.empty((self.n_pages, kv.kinds, self.ps, kv.layers, kv.heads, kv.head_dim),
-                           dtype=self.host_words.dtype, device=kv.device)
+        shape = (self.n_pages, kv.kinds, self.ps, kv.layers, kv.heads, kv.head_dim)
+        if self.pool is not None:
+            rows = self.n_pages * kv.kinds * self.ps * kv.layers
+            return self.pool.take(rows, kv.heads * kv.head_dim, self.host_words.dtype).view(shape)
+        return torch.empty(shape, dtype=self.host_words.dtype, device=kv.device)
+
+    def _whole_pages(self, buf: torch.Tensor) -> torch.Tensor:
+        """A per-layer buffer as ``[pages, page_size, heads, head_dim]`` (rows past the last whole
+        page left out: never a slot of a page)."""
+        whole = buf.shape[0] // self.ps * self.ps
+        return buf[:whole].view(-1, self.ps, self.kv.heads, self.kv.head_dim)
 
     def to_device(self) -> None:
         """Host -> device (on CUDA: asynchronous H2D per run, then one scatter per buffer)."""
@@ -104,10 +132,8 @@ class LayeredChunkCopy:
             staging = self._staging()
             for pos, first, length in self.runs:
                 staging[pos:pos + length].copy_(self.host_words[first:first + length], non_blocking=True)
-            n = self.n_pages * self.ps
-            for k, layer, buf in self._buffers():
-                rows = staging[:, k, :, layer].reshape(n, kv.heads, kv.head_dim)
-                buf.index_copy_(0, self.index, rows)
+            for k, layer, buf in self._buffers():  # one scatter per buffer, straight from its slab
+                self._whole_pages(buf).index_copy_(0, self.page_ids, staging[:, k, :, layer])
             self.staging = staging
             return
         if self.gather:
@@ -136,27 +162,42 @@ def _block_runs(dev_starts: list[int], host_pages: list[int], page_size: int) ->
 class LayeredCpuCopyEngine(CpuCopyEngine):
     """``CpuCopyEngine`` over a ``LayeredKVPool`` (copies on worker threads)."""
 
-    def to_host(self, tag, kv, host, slots, host_pages) -> None:
-        self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_host)
+    def to_host(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
+        """Planned and run on the worker: the caller's thread never reads ``slots``."""
+        self.check_pool(kv)
+        self.submit(tag, lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end).to_host())
 
-    def to_device(self, tag, kv, host, slots, host_pages) -> None:
-        self.submit(tag, LayeredChunkCopy(kv, host, slots, host_pages).to_device)
+    def to_device(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
+        self.check_pool(kv)
+        self.submit(tag, lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end).to_device())
 
 
 class LayeredCudaCopyEngine(CudaCopyEngine):
-    """``CudaCopyEngine`` over a ``LayeredKVPool`` (copy stream, completion by event query)."""
+    """``CudaCopyEngine`` over a ``LayeredKVPool`` (copy stream, completion by event query, the
+    engine's one staging buffer)."""
 
-    def to_host(self, tag, kv, host, slots, host_pages) -> None:
-        plan = LayeredChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, self._launch(plan, plan.to_host))
+    def to_host(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
+        self.check_pool(kv)
+        self.submit(tag, self._launch(
+            lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end, self.staging_buffer),
+            "to_host", (slots,)))
 
-    def to_device(self, tag, kv, host, slots, host_pages) -> None:
-        plan = LayeredChunkCopy(kv, host, slots, host_pages)
-        self.submit(tag, self._launch(plan, plan.to_device))
+    def to_device(self, tag, kv, host, slots, host_pages, check_end=None) -> None:
+        self.check_pool(kv)
+        self.submit(tag, self._launch(
+            lambda: LayeredChunkCopy(kv, host, slots, host_pages, check_end, self.staging_buffer),
+            "to_device", (slots,)))
 
 
 def make_layered_copy_engine(kv: LayeredKVPool, threads: int = 2):
-    """The CUDA stream engine for a CUDA pool, worker threads otherwise."""
+    """The CUDA stream engine for a CUDA pool, worker threads for a CPU pool.
+
+    Raises:
+        DeviceMismatch: the pool is on another device, or on CUDA without a usable CUDA.
+    """
     if kv.device.type == "cuda" and torch.cuda.is_available():
         return LayeredCudaCopyEngine(kv.device)
+    if kv.device.type != "cpu":
+        raise DeviceMismatch(f"no copy engine for SGLang KV buffers on {kv.device} "
+                             f"(CUDA available: {torch.cuda.is_available()})")
     return LayeredCpuCopyEngine(threads)

@@ -157,19 +157,44 @@ class DecodeKVCacheOffloadManager:
             if state not in _WAITING:
                 break
             if deadline is not None and time.monotonic() > deadline:
+                discarded = self._discard_copies_of(req)
                 log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
-                          waited_s=self.SGLANG_RELEASE_WAIT_S)
+                          waited_s=self.SGLANG_RELEASE_WAIT_S, copies_discarded=discarded)
                 return True
             time.sleep(0.0002)
         if state is State.RELEASED:
             return False
-        with self.release_sink.released_by_sglang():
+        with self.release_sink.released_by_sglang(req):
             self.manager.finalize_release_on_finish(req)
         self._released_by_sglang.add(req)
         log.info("sglang.released_by_sglang", rid=getattr(req, "rid", None))
         return True
 
     SGLANG_RELEASE_WAIT_S = 10.0  # TP=1 only: then SGLang frees anyway (logged sglang.release_under_copy)
+
+    def _discard_copies_of(self, req) -> int:
+        """SGLang is about to free ``req``'s slots under its copies still in flight (the TP=1 wait
+        expired): whatever those copies land may be another request's KV by then. They are
+        discarded (``HostOffloader.discard_write``: expired at once, nothing they land is stored,
+        counted in ``copies_discarded``); the lifecycle stops waiting for them and ends as when
+        SGLang frees (RELEASED, nothing freed here; readmitted if the request comes back), and the
+        slots those copies may still read are SGLang's to free, never freed here when they end
+        (only their host pages come back). Returns how many copies were discarded."""
+        mgr = self.manager
+        acks = [ack for ack, chunk in mgr._ongoing.items() if chunk.req is req]
+        for ack in acks:
+            self.offloader.discard_write(ack)
+        with self.release_sink.released_by_sglang(req):
+            mgr.check_offload_progress()  # the expiry: a finished request is released (recorded) here
+            if mgr.state_of(req) not in (None, State.RELEASED):
+                mgr.finalize_release_on_finish(req)
+        for ack in acks:
+            held = mgr._expired.get(ack)
+            if held is not None:
+                held.released = False  # SGLang frees these slots; when the copy ends only its host pages go
+        if mgr.state_of(req) is State.RELEASED:
+            self._released_by_sglang.add(req)
+        return len(acks)
 
     def _readmit(self, req) -> bool:
         """Start a new lifecycle for a request SGLang released and gave a row again; False if it has none."""
@@ -191,6 +216,8 @@ class DecodeKVCacheOffloadManager:
         stats = self.manager.stats()
         self.manager.shutdown(force=True)
         self.storage.close()
+        if self.offloader.idle():  # no copy can still write into the host pool: unpin it
+            self.decode_host_mem_pool.close()
         log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
                  inflight_writes=stats.inflight_writes, inflight_storage=stats.inflight_storage)
         if self.audit_path is not None and not _ACTIVE:

@@ -14,6 +14,7 @@ those four steps rely on, so a refused release changes nothing.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -37,17 +38,18 @@ class SGLangReleaseSink:
         if not isinstance(getattr(tree_cache, "protected_size_", None), int):
             raise SGLangConfigError(f"tree cache {type(tree_cache).__name__} has no integer protected_size_")
         self.tree_cache, self.req_to_token_pool = tree_cache, req_to_token_pool
-        self._sglang_frees = False
+        self._sglang_frees: weakref.WeakSet = weakref.WeakSet()
 
     @contextmanager
-    def released_by_sglang(self) -> Iterator[None]:
-        """Within the block, a release has no effect and nothing to check: SGLang is about to free
-        the request itself (``release_kv_cache``), so the lifecycle only records it."""
-        self._sglang_frees = True
+    def released_by_sglang(self, req) -> Iterator[None]:
+        """Within the block, a release of ``req`` has no effect and nothing to check: SGLang is
+        about to free the request itself (``release_kv_cache``), so the lifecycle only records it.
+        Releases of other requests in the block free as usual."""
+        self._sglang_frees.add(req)
         try:
             yield
         finally:
-            self._sglang_frees = False
+            self._sglang_frees.discard(req)
 
     def check(self, plan) -> None:
         """Everything ``free`` relies on, checked without any effect.
@@ -59,7 +61,7 @@ class SGLangReleaseSink:
                 slots are quarantined (``free_kv_row`` frees whole ranges; the integration sets no
                 copy deadline, so none ever are).
         """
-        if self._sglang_frees:
+        if self._sglang_frees and plan.req in self._sglang_frees:
             return
         req = plan.req
         rid = getattr(req, "rid", None)
@@ -91,7 +93,7 @@ class SGLangReleaseSink:
 
     def free(self, plan) -> None:
         """Release the request as SGLang does: slots (one call), row, kv record, protected count."""
-        if self._sglang_frees:
+        if self._sglang_frees and plan.req in self._sglang_frees:
             return
         req = plan.req
         self.tree_cache.free_kv_row(req.kv, list(plan.ranges))

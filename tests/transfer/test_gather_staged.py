@@ -1,0 +1,64 @@
+"""The staged copy path (what runs on CUDA: a device row index, one gather into the copy stream's
+reused ``Staging`` buffer, one copy per run of host pages; slot ids checked on the device, verdict
+read after the copy) run on CPU tensors: bit-exact, no allocation per chunk, bad ids clamped and
+reported instead of raising (issue 25, points 1 and 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from transfer import BadIndices, HostPool, KVPool, synthetic_kv
+from transfer.gather import ChunkCopy, Staging
+
+PS = 4
+
+
+def pools(mla=False, dtype=torch.bfloat16):
+    heads = 1 if mla else 2
+    kv = KVPool(3, heads, 8, dtype, 66, mla=mla)  # 66 slots: a partial last page
+    kv.write(torch.arange(66), synthetic_kv(kv, 5, torch.arange(66)))
+    return kv, HostPool(3, heads, 8, dtype, PS, 40, mla=mla, pin=False)
+
+
+def page_bytes(kv, slots):
+    return kv.read(slots).permute(0, 2, 1, 3, 4).contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float32], ids=str)
+def test_staged_round_trip_is_bit_exact_and_reuses_one_buffer(mla, dtype):
+    kv, host = pools(mla, dtype)
+    staging = Staging("cpu")
+    dev_pages, host_pages = [9, 2, 14], torch.tensor([7, 3, 4])  # scattered, two host runs
+    slots = (torch.tensor(dev_pages).view(-1, 1) * PS + torch.arange(PS)).reshape(-1)
+    ChunkCopy(kv, host, slots, host_pages, check_end=kv.slots, staging=staging).to_host()
+    for i, p in enumerate(host_pages.tolist()):
+        assert torch.equal(host.page_view(p).contiguous().view(torch.uint8), page_bytes(kv, slots[i * PS:(i + 1) * PS]))
+    dst = (torch.tensor([1, 11, 5]).view(-1, 1) * PS + torch.arange(PS)).reshape(-1)
+    plan = ChunkCopy(kv, host, dst, host_pages, check_end=kv.slots, staging=staging)
+    plan.to_device()
+    assert plan.landed_error() is None
+    assert torch.equal(kv.read(dst).view(torch.uint8), kv.read(slots).view(torch.uint8))
+    assert staging.grown == 1  # both chunks through the one buffer
+    ChunkCopy(kv, host, torch.arange(4, 20), torch.tensor([0, 1, 2, 3]), staging=staging).to_host()
+    assert staging.grown == 2  # a larger chunk grows it once
+
+
+@pytest.mark.parametrize("ids", [[8, 9, 10, 12], [6, 7, 8, 9], [64, 65, 66, 67], [-4, -3, -2, -1]],
+                         ids=["not-consecutive", "not-aligned", "outside", "negative"])
+def test_bad_ids_are_clamped_and_reported_after_the_copy_never_raised(ids):
+    kv, host = pools()
+    before = kv.buffer.clone()
+    plan = ChunkCopy(kv, host, torch.tensor(ids), torch.tensor([0]), check_end=kv.slots, staging=Staging("cpu"))
+    plan.to_host()  # no out-of-bounds read, no exception at launch
+    assert isinstance(plan.landed_error(), BadIndices)
+    plan.to_device()  # clamped: writes only inside the pool
+    assert kv.buffer.shape == before.shape
+
+
+def test_good_ids_report_no_error():
+    kv, host = pools()
+    plan = ChunkCopy(kv, host, torch.arange(8, 16), torch.tensor([0, 1]), check_end=kv.slots, staging=Staging("cpu"))
+    plan.to_host()
+    assert plan.landed_error() is None
