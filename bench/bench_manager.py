@@ -225,12 +225,17 @@ def per_operation(repeats=3):
 
 
 def bytes_per_request(n=10_000):
+    """Per live request at ``n`` live requests: bytes the manager allocates on first sight, objects
+    the cycle collector tracks (``gc.get_objects()`` growth); and one full collection's time (this
+    thread's CPU time, median of 5) with those requests live, frozen heap (``gc.freeze()`` of
+    everything before the manager, as after a server's warm-up) and not."""
     pool, alloc, off = Pool(n, 64), Allocator(), Offloader()
     mgr = DecodeOffloadManager(pool, alloc, page_size=16, offloader=off)
     reqs = [Req(f"r{i}", list(range(32)), i) for i in range(n)]
     for r in reqs:
         r.output_ids.append(1)
     gc.collect()
+    objects = len(gc.get_objects())
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for r in reqs:
@@ -238,11 +243,41 @@ def bytes_per_request(n=10_000):
     gc.collect()
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    t0 = time.perf_counter()
-    gc.collect()
-    gc_ms = (time.perf_counter() - t0) * 1e3
+    tracked = (len(gc.get_objects()) - objects) / n
+
+    def full_gc_ms():
+        times = []
+        for _ in range(5):
+            t0 = time.thread_time()
+            gc.collect()
+            times.append((time.thread_time() - t0) * 1e3)
+        return statistics.median(times)
+
+    gc_ms = full_gc_ms()
     assert mgr.stats().tracked == n
-    return (after - before) / n, gc_ms
+    return (after - before) / n, tracked, gc_ms
+
+
+def full_gc_frozen_ms(n=10_000):
+    """A full collection's CPU time with ``n`` live requests recorded after ``gc.freeze()``."""
+    gc.collect()
+    gc.freeze()
+    try:
+        pool, alloc, off = Pool(n, 64), Allocator(), Offloader()
+        mgr = DecodeOffloadManager(pool, alloc, page_size=16, offloader=off)
+        reqs = [Req(f"r{i}", list(range(32)), i) for i in range(n)]
+        for r in reqs:
+            r.output_ids.append(1)
+            mgr.offload_kv_cache(r)
+        times = []
+        for _ in range(5):
+            t0 = time.thread_time()
+            gc.collect()
+            times.append((time.thread_time() - t0) * 1e3)
+        assert mgr.stats().tracked == n
+        return statistics.median(times), len(gc.get_objects())
+    finally:
+        gc.unfreeze()
 
 
 def against(args) -> None:
@@ -291,6 +326,7 @@ def worker(args) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--gc-only", action="store_true", help="only the per-request bookkeeping and collector figures")
     ap.add_argument("--against", metavar="DIR", help="also measure DIR/lifecycle (an older version)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=7)
@@ -306,6 +342,12 @@ def main():
         return worker(args)
     if args.against:
         return against(args)
+    if args.gc_only:
+        per_req, tracked, gc_ms = bytes_per_request()
+        frozen_ms, frozen_objects = full_gc_frozen_ms()
+        print(f"per live request at 10k: {per_req:.0f} bytes, {tracked:.2f} tracked objects; full gc.collect() "
+              f"(CPU) {gc_ms:.1f} ms; frozen heap {frozen_ms:.1f} ms ({frozen_objects} tracked objects)")
+        return
     times = {name: [] for name in IMPLS}
     for _ in range(args.repeats):
         for name, make in IMPLS.items():
@@ -322,8 +364,11 @@ def main():
         print(f"{name:26} {t * 1e3:9.1f} {t / calls * 1e6:8.2f} {t / base:13.2f}x")
     print(f"lifecycle vs as-written: {med['lifecycle (transitions)'] / med['as written (SGLang)']:.2f}x")
     per_operation()
-    per_req, gc_ms = bytes_per_request()
-    print(f"bookkeeping per live request at 10k requests: {per_req:.0f} bytes; full gc.collect(): {gc_ms:.1f} ms")
+    per_req, tracked, gc_ms = bytes_per_request()
+    frozen_ms, frozen_objects = full_gc_frozen_ms()
+    print(f"bookkeeping per live request at 10k requests: {per_req:.0f} bytes, {tracked:.2f} objects tracked by the "
+          f"cycle collector; full gc.collect() (CPU): {gc_ms:.1f} ms, {frozen_ms:.1f} ms with the heap frozen before "
+          f"the requests arrived ({frozen_objects} tracked objects left to walk)")
 
 
 if __name__ == "__main__":

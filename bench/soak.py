@@ -15,7 +15,14 @@ lifecycle, not the arithmetic, is exercised. Faults, all random and seeded:
   copies, whose slots stay quarantined until they end.
 
 Per round: requests/s, leaks (slots, rows, host pages, manager records), double frees, pages
-verified on read-back, RSS; at the end: peak RSS, RSS growth after warm-up, GC pauses.
+verified on read-back, RSS; at the end: peak RSS, RSS growth after warm-up, and the cycle
+collector's pauses after the warm-up round (``gc.callbacks``): count per generation, and the
+generation-2 (full collection) pause p50 / p99 / max.
+
+Freeze after warm-up (default; ``--no-freeze`` to compare): after the first round the heap is
+collected once and frozen (``gc.freeze()``), as an embedding scheduler should do once its process
+is warm (SGLang's ``freeze_gc``): the ~170k objects of torch and friends move to the permanent
+generation, so a full collection walks only what was allocated since (docs/integration.md).
 """
 
 from __future__ import annotations
@@ -53,16 +60,28 @@ def rss_mib() -> float:
 
 
 class GcPauses:
+    """Every collection's pause (ms) by generation, while ``on``."""
+
     def __init__(self) -> None:
-        self.pauses: list[float] = []
+        self.pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.on = False
         self._t0 = 0.0
         gc.callbacks.append(self)
 
     def __call__(self, phase, info) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
-        else:
-            self.pauses.append((time.perf_counter() - self._t0) * 1e3)
+        elif self.on:
+            self.pauses[info["generation"]].append((time.perf_counter() - self._t0) * 1e3)
+
+    def summary(self) -> dict:
+        full = sorted(self.pauses[2])
+        pick = lambda q: full[min(len(full) - 1, int(len(full) * q))] if full else 0.0  # noqa: E731
+        return dict(gc_collections={f"gen{g}": len(p) for g, p in self.pauses.items()},
+                    gc_gen0_1_pause_max_ms=max(self.pauses[0] + self.pauses[1], default=0.0),
+                    gc_gen2_collections=len(full), gc_gen2_pause_p50_ms=pick(0.5),
+                    gc_gen2_pause_p99_ms=pick(0.99), gc_gen2_pause_max_ms=full[-1] if full else 0.0,
+                    gc_frozen_objects=gc.get_freeze_count(), gc_tracked_objects_end=len(gc.get_objects()))
 
 
 def flaky(batch_set, rng: random.Random, p: float, counter: list):
@@ -84,6 +103,8 @@ def main() -> None:
     ap.add_argument("--copy-timeout", type=float, default=0.0005)
     ap.add_argument("--store-capacity", type=int, default=16 << 20,
                     help="LRU bound of the file store in bytes, so its index stays bounded too")
+    ap.add_argument("--no-freeze", dest="freeze", action="store_false",
+                    help="do not gc.freeze() after the warm-up round (to measure what freezing saves)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory(prefix="kv-soak-")
@@ -120,6 +141,11 @@ def main() -> None:
             for k in totals:
                 totals[k] += getattr(rep, k)
             rounds.append(row)
+            if i == 0:  # warm-up done: collect once, freeze what is left, count pauses from here
+                if args.freeze:
+                    gc.collect()
+                    gc.freeze()
+                gcp.on = True
             print(f"round {i:3d}: {rep.requests} requests, {row['req_per_s']:7.0f} req/s, "
                   f"RSS {row['rss_mib']:7.1f} MiB, storage failures {rep.storage_failures}, "
                   f"host short {rep.host_short}, verified {rep.verify_ok}/{rep.verify_sampled}, "
@@ -136,16 +162,13 @@ def main() -> None:
         tmp.cleanup()
     wall = time.perf_counter() - t_all
     warm = rounds[min(2, len(rounds) - 1)]["rss_mib"]
-    pauses = sorted(gcp.pauses)
     summary = dict(
         totals, rounds=len(rounds), wall_s=wall, req_per_s=totals["requests"] / wall,
         injected_storage_faults=injected[0], copies_expired=s.copies_expired,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         rss_after_warmup_mib=warm, rss_final_mib=rounds[-1]["rss_mib"],
-        rss_growth_after_warmup_mib=rounds[-1]["rss_mib"] - warm,
-        gc_collections=len(pauses), gc_pause_p50_ms=pauses[len(pauses) // 2] if pauses else 0.0,
-        gc_pause_p99_ms=pauses[int(len(pauses) * 0.99)] if pauses else 0.0,
-        gc_pause_max_ms=pauses[-1] if pauses else 0.0,
+        rss_growth_after_warmup_mib=rounds[-1]["rss_mib"] - warm, gc_freeze_after_warmup=args.freeze,
+        **gcp.summary(),
     )
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -81,6 +81,7 @@ class DecodeOffloadManager(CallGate):
         self._owners = table.OWNERS
         self._records: dict[int, Record] = {}
         self._dropped: deque = deque()
+        self._on_drop = table.drop_callback(self._dropped, self._owners)  # every record's ref callback
         self._ongoing: dict = {}
         self._storage_ops: dict = {}
         self._landed: set[int] = set()   # reported by the offloader, not yet settled
@@ -239,7 +240,7 @@ class DecodeOffloadManager(CallGate):
             view = read_request(self, req)
             progress = initial_progress(self, req)
             self._fire["readmit"](rec, mgr=self, req=req, view=view, progress=progress)
-            self._owners.claim(req, self)
+            self._owners.claim(req, self, rec.ref)
         finally:
             self._leave()
 

@@ -19,19 +19,23 @@ class OffloadedState(msgspec.Struct, gc=False):
 
 
 class Record(msgspec.Struct, gc=False):
-    """One request's lifecycle. Holds the request only weakly (``ref``); never in a cycle."""
+    """One request's lifecycle. Holds the request only weakly (``ref``); never in a cycle.
+
+    Untracked by the cycle collector, like every per-request struct here: the only collector-
+    tracked object a live request costs the manager is ``ref`` (a ``weakref.KeyedRef``, which the
+    ownership registry shares; its callback is one object per manager).
+    """
 
     ref: object
     rid: object
     row: int
     state: State
     offload: OffloadedState
-    logger: object  # the manager's logger; ``log`` binds it to this request on first use
+    logger: object  # the manager's logger; ``log`` binds it to this request
     inflight: int = 0
     slots: int = 0
     generation: int = 0
     expired: tuple | None = None  # ack ids of this request's expired copies still quarantined
-    _bound: object = None  # ``log``, once built; None again after a readmit (new row, generation)
 
     # A record is also the ``lifecycle.states.Facts`` of a trigger that carries no call facts.
     finished = False
@@ -39,16 +43,19 @@ class Record(msgspec.Struct, gc=False):
 
     @property
     def log(self):
-        """The manager's logger bound to this request (``rid``, ``row``, ``gen``), built on first use:
-        most requests never log, and a bound logger per request costs time and memory on first sight."""
-        bound = self._bound
-        if bound is None:
-            bound = self._bound = self.logger.bind(rid=self.rid, row=self.row, gen=self.generation)
-        return bound
+        """The manager's logger bound to this request (``rid``, ``row``, ``gen``), built per use and
+        not kept: most requests never log, and a kept bound logger would be one more object per
+        live request for the cycle collector to walk (the events are off the fast path)."""
+        return self.logger.bind(rid=self.rid, row=self.row, gen=self.generation)
 
 
-class Chunk(msgspec.Struct):
-    """A GPU -> host copy in flight. Holds the request strongly until it lands."""
+class Chunk(msgspec.Struct, gc=False):
+    """A GPU -> host copy in flight. Holds the request strongly until it lands.
+
+    Not tracked by the cycle collector (nor are its ``tokens`` and ``page_hashes``: tuples of ints
+    and strings, which the collector untracks at its first pass): it is never in a reference cycle
+    (nothing it holds refers back to it). The two slot tensors stay tracked (torch tensors are).
+    """
 
     ack_id: int
     req: object
@@ -56,8 +63,8 @@ class Chunk(msgspec.Struct):
     start: int
     end: int
     host: object
-    tokens: list
-    page_hashes: list
+    tokens: tuple
+    page_hashes: tuple
     enqueued_at: float
     indices: object = None  # the int64 device slots the copy reads (planned before the offload)
 

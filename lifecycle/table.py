@@ -24,9 +24,22 @@ def lookup(mgr, req) -> Record | None:
     return rec if rec is not None and rec.ref() is req else None
 
 
+def drop_callback(dropped: deque, owners: "Owners"):
+    """The weak-reference callback of a manager's records (one per manager, shared by all of
+    them): queue the dropped request's ref for ``drain_dropped`` and forget its ownership claim.
+    May run inside the garbage collector: it only appends to a deque and deletes a dict entry."""
+    append, forget = dropped.append, owners.forget
+
+    def dropped_request(ref) -> None:
+        append(ref)
+        forget(ref)
+
+    return dropped_request
+
+
 def new_record(mgr, req, view, progress) -> Record:
     """A PREFILLED record for a request read by ``read_request``; not yet inserted."""
-    ref = weakref.KeyedRef(req, mgr._dropped.append, id(req))
+    ref = weakref.KeyedRef(req, mgr._on_drop, id(req))
     row, _, allocated = view
     return Record(ref, req.rid, row, State.PREFILLED, progress,
                   mgr._log, slots=allocated)
@@ -39,7 +52,7 @@ def insert(mgr, rec: Record, req) -> None:
         retire(mgr, old)
     mgr._records[id(req)] = rec
     mgr._by_name["PREFILLED"] += 1
-    mgr._owners.claim(req, mgr)
+    mgr._owners.claim(req, mgr, rec.ref)
 
 
 def drain_dropped(mgr) -> None:
@@ -61,21 +74,32 @@ def retire(mgr, rec: Record) -> None:
         mgr._emit(rec.log.warning, audit.LEAKED, state=rec.state.name, slots=rec.slots)
 
 
+class Claim(msgspec.Struct, gc=False):
+    """An ownership claim: the claiming record's weak reference to the request (shared with the
+    record, not a second one) and a weak reference to the manager (one per manager). Untracked
+    by the cycle collector."""
+
+    ref: weakref.KeyedRef
+    mgr: weakref.ref
+
+
 class Owners:
     """Which manager holds each live request, so a request cannot be driven by two managers.
 
-    One registry per process (``OWNERS``); entries are weak on both sides.
+    One registry per process (``OWNERS``); entries are weak on both sides. An entry is forgotten
+    when its request is dropped, by the claiming record's weak-reference callback
+    (``drop_callback``).
     """
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple] = {}
+        self._by_id: dict[int, Claim] = {}
 
     def owner(self, req):
         """The manager that claimed ``req`` last (None when none is alive)."""
         claim = self._by_id.get(id(req))
-        if claim is None or claim[0]() is not req:
+        if claim is None or claim.ref() is not req:
             return None
-        return claim[1]()
+        return claim.mgr()
 
     def check(self, req, mgr) -> None:
         """InvalidRequest when another live manager holds ``req`` in a state other than RELEASED."""
@@ -86,13 +110,17 @@ class Owners:
         if rec is not None and rec.state is not _RELEASED:
             raise InvalidRequest(f"request {req.rid!r} belongs to another manager (state {rec.state.name} there)")
 
-    def claim(self, req, mgr) -> None:
-        """Record ``mgr`` as the manager of ``req``."""
-        self._by_id[id(req)] = (weakref.KeyedRef(req, self._forget, id(req)), weakref.ref(mgr))
+    def claim(self, req, mgr, ref: weakref.KeyedRef) -> None:
+        """Record ``mgr`` as the manager of ``req``; ``ref`` is its record's weak reference to
+        ``req`` (keyed by ``id(req)``, its callback made by ``drop_callback``)."""
+        if ref() is not req or ref.key != id(req):
+            raise ValueError("a claim's reference must be a KeyedRef to the request, keyed by its id")
+        self._by_id[ref.key] = Claim(ref, weakref.ref(mgr))
 
-    def _forget(self, ref) -> None:
+    def forget(self, ref) -> None:
+        """Drop the claim made with ``ref`` (a request was dropped); a newer claim stays."""
         claim = self._by_id.get(ref.key)
-        if claim is not None and claim[0] is ref:
+        if claim is not None and claim.ref is ref:
             del self._by_id[ref.key]
 
 
@@ -140,10 +168,11 @@ def deep_copy(mgr, memo):
     """
     new = object.__new__(type(mgr))
     memo[id(mgr)] = new
-    shared = {"_log", "_clock", "tp_group", "_fire", "_owners"}
+    shared = {"_log", "_clock", "tp_group", "_fire", "_owners"}  # _on_drop: made for the copy below
     for key in shared:
         new.__dict__[key] = mgr.__dict__[key]
     new._dropped = deque()
+    new._on_drop = drop_callback(new._dropped, OWNERS)
     new._records = {}
     for rec in list(mgr._records.values()):
         req = rec.ref()
@@ -151,18 +180,18 @@ def deep_copy(mgr, memo):
             continue
         twin = copy.deepcopy(req, memo)
         clone = msgspec.structs.replace(
-            rec, ref=weakref.KeyedRef(twin, new._dropped.append, id(twin)),
+            rec, ref=weakref.KeyedRef(twin, new._on_drop, id(twin)),
             offload=msgspec.structs.replace(rec.offload),
         )
         memo[id(rec)] = clone
         new._records[id(twin)] = clone
     for key, value in mgr.__dict__.items():
-        if key not in shared and key not in ("_records", "_dropped"):
+        if key not in shared and key not in ("_records", "_dropped", "_on_drop"):
             new.__dict__[key] = copy.deepcopy(value, memo)
     if not new.closed:
         OFFLOADERS.claim(new.offloader, new)  # the copy owns the copied offloader
     for rec in new._records.values():
         req = rec.ref()
         if req is not None and rec.state is not _RELEASED:
-            OWNERS.claim(req, new)
+            OWNERS.claim(req, new, rec.ref)
     return new

@@ -84,8 +84,7 @@ def reset_progress(fire) -> None:
     mgr, rec, kw = fire.kwargs["mgr"], fire.model, fire.kwargs
     row, _, allocated = kw["view"]
     rec.row, rec.offload, rec.slots = row, kw["progress"], allocated
-    rec.generation += 1
-    rec._bound = None  # ``rec.log`` binds the new row and generation on first use
+    rec.generation += 1  # ``rec.log`` binds the new row and generation
 
 
 def record_transition(fire) -> None:

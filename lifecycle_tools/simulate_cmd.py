@@ -121,7 +121,7 @@ def _run(cfg, width: int, args, audit_file):
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     bar = ProgressBar(sys.stderr) if show else None
     try:
-        return run(cfg, stack, mgr, progress=bar, enqueue_timer=timer)
+        return run(cfg, stack, mgr, progress=bar, enqueue_timer=timer, freeze_gc=True)
     finally:
         if bar is not None:
             bar.close()

@@ -352,10 +352,10 @@ class HostOffloader:
             def job() -> list[bool]:
                 raise StorageError("source host pages hold a failed or expired copy")
         else:
-            bufs = [self.host.page_bytes(p) for p in plist]
+            page_bytes = self.host.page_bytes
 
-            def job() -> list[bool]:
-                return self.storage.batch_set(keys, bufs)
+            def job() -> list[bool]:  # the page views are made here, on the worker (torch ops)
+                return self.storage.batch_set(keys, [page_bytes(p) for p in plist])
         busy = self._busy
         for p in plist:
             busy[p] = busy.get(p, 0) + 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 
 from lifecycle_tools.simulate.config import pool_bytes, validate
@@ -60,13 +61,22 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def run(cfg, stack, mgr, progress=None, enqueue_timer=None) -> RunReport:
+def run(cfg, stack, mgr, progress=None, enqueue_timer=None, freeze_gc: bool = False) -> RunReport:
     """Serve the workload (twice with ``cfg.warm``: the second pass under new request ids hits the
-    store), then shut the manager and stack down (bounded)."""
+    store), then shut the manager and stack down (bounded).
+
+    With ``freeze_gc`` (what ``kv-lifecycle simulate`` does), once everything is built and warm
+    (imports, pools, stack, manager, scheduler) the heap is collected once and frozen
+    (``gc.freeze()``), so the cycle collector's full collections during the run walk only what the
+    run allocates, not torch's ~170k objects (docs/integration.md); unfrozen when the run ends.
+    """
     from lifecycle_tools.simulate.scheduler import Simulator
 
     t0 = time.perf_counter()
     sim = Simulator(cfg, stack, mgr, progress, enqueue_timer)
+    if freeze_gc:
+        gc.collect()
+        gc.freeze()
     passes, clean = [], False
     try:
         passes.append(sim.run_pass(iter_chats(cfg), "cold" if cfg.warm else "run"))
@@ -74,6 +84,8 @@ def run(cfg, stack, mgr, progress=None, enqueue_timer=None) -> RunReport:
             passes.append(sim.run_pass(iter_chats(cfg, prefix="w-"), "warm"))
         clean = True
     finally:
+        if freeze_gc:
+            gc.unfreeze()
         sim.close()
         if not clean:   # interrupted or failed: abandon what is in flight, in bounded time
             shut_down(mgr, stack, 0.0)

@@ -134,7 +134,7 @@ def test_last_sampled_token_is_never_offloaded():
     req.decode(54)                                                # now 12: outputs 50..53 have KV
     assert node.mgr.offload_kv_cache(req) is True
     chunk = next(iter(node.mgr._ongoing.values()))
-    assert chunk.tokens == [50, 51, 52, 53] and 54 not in chunk.tokens
+    assert chunk.tokens == (50, 51, 52, 53) and 54 not in chunk.tokens
 
 
 def test_stride_is_a_page_multiple_and_chunks_are_stride_sized():
@@ -151,7 +151,7 @@ def test_namespace_seed_is_the_first_pages_prior():
     req = Req("r", range(3), row=0)                 # P = 0: the first decode page starts the chain
     decode(node, req, 2)
     chunk = next(iter(node.mgr._ongoing.values()))
-    assert chunk.page_hashes == page_hashes([0, 1, 2, 9000], 4, seed)
+    assert chunk.page_hashes == tuple(page_hashes([0, 1, 2, 9000], 4, seed))
 
 
 def test_hashes_fixed_at_enqueue_even_when_copies_land_out_of_order():

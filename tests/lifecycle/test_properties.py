@@ -262,7 +262,7 @@ class Lifecycles(RuleBasedStateMachine):
         for chunk in self.mgr._ongoing.values():
             req = chunk.req
             full = req.origin_input_ids + req.output_ids[:-1]
-            assert chunk.page_hashes == page_hashes(full[: chunk.end], ps)[chunk.start // ps:]
+            assert chunk.page_hashes == tuple(page_hashes(full[: chunk.end], ps)[chunk.start // ps:])
 
     def teardown(self):
         for req in self.running():
