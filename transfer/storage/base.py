@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import msgspec
-from transfer.log import get_logger
+from transfer.log import RateLimitedLog, get_logger
 import torch
 
 from transfer.errors import PageSizeMismatch
@@ -109,7 +109,10 @@ class Storage(ABC):
         """A snapshot of the counters."""
 
     def close(self) -> None:
-        """Release resources (default: nothing)."""
+        """Release resources (default: write the summary of rate-limited per-page log lines)."""
+        oplog = getattr(self, "_oplog", None)
+        if oplog is not None:
+            oplog.flush()
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -195,6 +198,7 @@ class IndexedStorage(Storage):
         require_checksum: bool = False,
     ) -> None:
         self.suffix, self.page_nbytes = check_suffix(suffix), page_nbytes
+        self._oplog = RateLimitedLog(log)   # per-page failures: one line per event per interval
         if page_format is not None:
             check_format(page_format, page_nbytes, _itemsize(page_format.dtype))
         self.page_format, self.checksum, self.require_checksum = page_format, checksum, require_checksum
@@ -247,7 +251,7 @@ class IndexedStorage(Storage):
             try:
                 self._remove(name)
             except OSError as err:
-                log.warning("storage.evict_failed", name=name, error=str(err))
+                self._oplog.warning("storage.evict_failed", name=name, error=str(err))
         if names:
             self._count("evictions", len(names))
 
@@ -270,7 +274,7 @@ class IndexedStorage(Storage):
         for (i, name, page), err in zip(todo, self._write_many([(n, p) for _, n, p in todo])):
             if err is not None:
                 self._count("errors")
-                log.error("storage.write_failed", name=name, errno=err.errno, error=str(err))
+                self._oplog.error("storage.write_failed", name=name, errno=err.errno, error=str(err))
                 continue
             with self._lock:
                 evicted = self._index.add(name, _nbytes(page))
@@ -306,7 +310,7 @@ class IndexedStorage(Storage):
         if verdict is Verdict.OK:
             return True
         self._count(verdict.value)
-        log.error("storage.page_refused", name=name, verdict=verdict.value)
+        self._oplog.error("storage.page_refused", name=name, verdict=verdict.value)
         if verdict is Verdict.CORRUPT:  # a later write can repair it; batch_exists won't re-adopt it
             try:
                 self._remove(name)
@@ -328,7 +332,7 @@ class IndexedStorage(Storage):
                     ok = whole and self._verify(name, buf, sealed)
                 except OSError as err:
                     self._count("errors")
-                    log.error("storage.read_failed", name=name, errno=err.errno, error=str(err))
+                    self._oplog.error("storage.read_failed", name=name, errno=err.errno, error=str(err))
                 if not ok:
                     buf.reshape(-1).view(torch.uint8).zero_()  # never leave a refused page's bytes
             with self._lock:
@@ -377,7 +381,7 @@ class IndexedStorage(Storage):
             removed = self._remove(name)  # also a page another process stored that we never indexed
         except OSError as err:
             self._count("errors")
-            log.error("storage.delete_failed", name=name, errno=err.errno, error=str(err))
+            self._oplog.error("storage.delete_failed", name=name, errno=err.errno, error=str(err))
             return False
         if removed:
             self._count("deletes")

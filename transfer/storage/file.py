@@ -32,7 +32,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from transfer.log import get_logger
+from transfer.log import RateLimitedLog, get_logger
 import torch
 
 from transfer.errors import StorageUnavailable
@@ -106,6 +106,7 @@ class FileStorage(IndexedStorage):
     ) -> None:
         super().__init__(suffix, page_nbytes, capacity_bytes, capacity_pages, page_format=page_format,
                          checksum=checksum, require_checksum=require_checksum)
+        self._file_oplog = RateLimitedLog(log)   # per-page events of this store: one line per interval
         self._stats = FileStorageStats()
         self.directory = os.fspath(directory)
         self.fsync = fsync
@@ -144,7 +145,7 @@ class FileStorage(IndexedStorage):
                             pass
                     continue
                 if self.page_nbytes is not None and st.st_size != self.page_nbytes:
-                    log.warning("file_storage.ignored_wrong_size", path=entry.path, size=st.st_size)
+                    self._file_oplog.warning("file_storage.ignored_wrong_size", path=entry.path, size=st.st_size)
                     continue
                 found.append((st.st_mtime, entry.name[: -len(".bin")], st.st_size))
         found.sort()
@@ -212,6 +213,8 @@ class FileStorage(IndexedStorage):
             pool, self._writers = self._writers, None
         if pool is not None:
             pool.shutdown(wait=True)
+        self._file_oplog.flush()
+        super().close()
 
     def _read(self, name: str, into: torch.Tensor) -> tuple[bool, bytes | None]:
         buf = into.reshape(-1).view(torch.uint8).numpy()
@@ -222,11 +225,11 @@ class FileStorage(IndexedStorage):
                 sealed = self._get_seal(f.fileno()) if whole and self.checksum else None
         except FileNotFoundError:
             self._count("stale_indexed")
-            log.warning("file_storage.page_vanished", name=name)
+            self._file_oplog.warning("file_storage.page_vanished", name=name)
             return False, None
         if not whole:
             self._count("wrong_size")
-            log.error("file_storage.wrong_size", name=name, expected=buf.nbytes, size=self._probe(name))
+            self._file_oplog.error("file_storage.wrong_size", name=name, expected=buf.nbytes, size=self._probe(name))
             return False, None
         return True, sealed
 
@@ -286,5 +289,5 @@ class FileStorage(IndexedStorage):
         if self._adoptable(name) is not None:
             return True
         self._count("stale_indexed")
-        log.warning("file_storage.page_vanished", name=name, size=self._probe(name))
+        self._file_oplog.warning("file_storage.page_vanished", name=name, size=self._probe(name))
         return False
