@@ -75,6 +75,7 @@ class PassReport:
     pages_refused_corrupt: int = 0      # every read of the pass (prefix loads + verification), from the store
     pages_refused_foreign: int = 0
     pages_served_unverified: int = 0    # pages the store served without a seal (no integrity check)
+    storage_evictions: int = 0          # pages the store evicted under its capacity bound (its own count)
     drained: bool = True
 
     def error(self, message: str) -> None:
@@ -108,7 +109,7 @@ class PassReport:
 
     def _missing_unexplained(self) -> int:
         """Sampled pages missing with no cause: not refused at the read, and no write failed."""
-        if self.storage_failures or self.verify_unavailable:
+        if self.storage_failures or self.verify_unavailable or self.storage_evictions:
             return 0
         return max(0, self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign)
 
@@ -121,7 +122,10 @@ class PassReport:
             out.append(f"{self.verify_refused_foreign} refused: another page, format or size")
         rest = self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign
         if rest > 0:
-            out.append(f"{rest} not found" + (" (storage writes failed)" if self.storage_failures else ""))
+            why = [w for n, w in ((self.storage_failures, "storage writes failed"),
+                                  (self.storage_evictions, f"the store evicted {self.storage_evictions} pages under its capacity bound"))
+                   if n]
+            out.append(f"{rest} not found" + (f": {'; '.join(why)}" if why else ""))
         return out
 
     def unread_reason(self) -> str:

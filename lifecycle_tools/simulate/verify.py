@@ -67,6 +67,7 @@ def integrity_of_pass(rep: PassReport, before, after) -> None:
     rep.pages_refused_corrupt = after.corrupt - before.corrupt
     rep.pages_refused_foreign = (after.foreign - before.foreign) + (after.wrong_size - before.wrong_size)
     rep.pages_served_unverified = after.unverified - before.unverified
+    rep.storage_evictions = after.evictions - before.evictions
 
 
 def _read_back(sample: PageSample, storage, host_pool, kv: SyntheticKV, rep: PassReport) -> None:

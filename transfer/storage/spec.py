@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from transfer.storage.base import Storage
 from transfer.storage.integrity import PageFormat
+from transfer.storage.retention import merge, split_retention_options
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 
@@ -30,6 +31,7 @@ def open_storage(
     *,
     capacity_bytes: int | None = None,
     ttl_s: float | None = None,
+    key_prefix: str = "",
     page_format: PageFormat | None = None,
     require_checksum: bool = False,
     connect_timeout_s: float = 0.5,
@@ -44,6 +46,10 @@ def open_storage(
         suffix, page_nbytes: the deployment suffix and page size (see ``Storage``).
         capacity_bytes: LRU bound (None: unbounded).
         ttl_s: page expiry for a server backend (ignored by the others).
+        key_prefix: prepended to every Redis / Redis Cluster key (ignored by the others).
+            ``capacity_bytes``, ``ttl_s`` and ``key_prefix`` may also be query options of ``spec``
+            (``transfer.storage.retention``: ``redis://h:6379/0?ttl_s=3600&key_prefix=kv:``,
+            ``file:DIR?capacity_bytes=N``); an option in both places with different values is an error.
         page_format: what the pages are (layout, dtype, shape), sealed with every page and checked
             on read by every backend (None: each page's own dtype and shape, layout ``raw``).
         require_checksum: strict mode (memory and file): a page without a seal is a miss.
@@ -54,6 +60,9 @@ def open_storage(
         StorageUnavailable: the directory is not writable, or the server does not answer (a
             one-line message naming the URL and the reason).
     """
+    spec, retention = split_retention_options(spec)
+    capacity_bytes = merge("capacity_bytes", retention, capacity_bytes)
+    ttl_s, key_prefix = merge("ttl_s", retention, ttl_s), merge("key_prefix", retention, key_prefix)
     if spec == "memory":
         from transfer.storage.memory import MemoryStorage
 
@@ -70,12 +79,13 @@ def open_storage(
         url = "redis://" + spec[len("valkey://"):] if spec.startswith("valkey://") else spec
         url = "rediss://" + spec[len("valkeys://"):] if spec.startswith("valkeys://") else url
         return RedisStorage(url, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
-                            page_format=page_format, connect_timeout_s=connect_timeout_s)
+                            page_format=page_format, connect_timeout_s=connect_timeout_s, key_prefix=key_prefix)
     if isinstance(spec, str) and spec.startswith(CLUSTER_SCHEMES):
         from transfer.storage.redis_cluster import RedisClusterStorage
 
         return RedisClusterStorage(spec, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
-                                   page_format=page_format, connect_timeout_s=connect_timeout_s)
+                                   page_format=page_format, connect_timeout_s=connect_timeout_s,
+                                   key_prefix=key_prefix)
     if isinstance(spec, str) and spec.startswith("mooncake://"):
         from transfer.storage.mooncake import MooncakeStorage
         from transfer.storage.mooncake_conn import parse_spec
