@@ -1,5 +1,6 @@
 """The command line: bad flags and impossible configurations exit 2 with one line, before any work."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,23 @@ def test_diagrams_command_writes_the_diagrams_and_refreshes_the_state_table(tmp_
     written = out.split()
     assert rc == 0 and str(tmp_path / "d" / "request_lifecycle.mmd") in written and str(doc) in written
     assert "stale" not in doc.read_text() and "| `offload` | PREFILLED | OFFLOADING |" in doc.read_text()
+
+
+def test_diagrams_in_another_directory_write_only_its_diagrams_folder(tmp_path, capsys, monkeypatch):
+    """Issue 21: run anywhere, the command writes ./diagrams/ (or --out) and never another
+    project's docs/states.md, even one with the generated-table markers."""
+    from lifecycle_tools.diagrams import DOC_BEGIN, DOC_END
+
+    other = tmp_path / "docs" / "states.md"
+    other.parent.mkdir()
+    text = f"# someone else's doc\n{DOC_BEGIN}\ntheir table\n{DOC_END}\n"
+    other.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = run_main(["diagrams"], capsys)
+    assert rc == 0 and other.read_text() == text
+    assert sorted(p.name for p in (tmp_path / "diagrams").iterdir()) == sorted(
+        os.path.basename(p) for p in out.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diagrams", "docs"]
 
 
 def test_no_subcommand_and_help(capsys):
