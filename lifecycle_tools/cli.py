@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-PROG = "kv-lifecycle"
+from lifecycle_tools.command import PROG, fail, out_path_problem
+
 
 
 class _Parser(argparse.ArgumentParser):
@@ -99,10 +100,6 @@ def _positive(text: str) -> int:
     return v
 
 
-def fail(message: str) -> int:
-    """Write the one-line error and return exit code 2."""
-    sys.stderr.write(f"{PROG}: error: {message}\n")
-    return 2
 
 
 def cmd_audit(args) -> int:
@@ -154,16 +151,6 @@ def cmd_diagrams(args) -> int:
     if shutil.which("dot") is None:
         sys.stderr.write(f"{PROG}: Graphviz `dot` not found: SVG not rendered (apt-get install graphviz)\n")
     return 0
-
-
-def out_path_problem(path: str, flag: str) -> str | None:
-    """Why ``path`` cannot be written as an output file (None: it can)."""
-    if os.path.isdir(path):
-        return f"{flag} {path!r} is a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        return f"{flag} {path!r}: directory {parent!r} is missing or not writable"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,9 +123,8 @@ def test_no_subcommand_and_help(capsys):
     assert rc == 0 and "--spec-tokens" in out and "--warm" in out
 
 
-@pytest.mark.parametrize("module", ["lifecycle_tools", "lifecycle"])
-def test_console_entry_point_runs_as_a_module(tmp_path, module):
-    proc = subprocess.run([sys.executable, "-m", module, "simulate", "--stride", "7",
+def test_console_entry_point_runs_as_a_module(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lifecycle_tools", "simulate", "--stride", "7",
                            "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
@@ -137,3 +136,30 @@ def test_readme_first_command_is_simulate():
     block = text.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
     assert block[0].endswith("&& .venv/bin/kv-lifecycle simulate")
     assert block[1].endswith("&& .venv/bin/python -m pytest")
+
+
+def test_the_library_never_imports_its_tools():
+    """Issue 21: ``lifecycle``, ``transfer`` and ``hashing`` name no ``lifecycle_tools`` module in
+    any import (``python -m lifecycle`` was the last one); the tools import the library, not back."""
+    import ast
+
+    offenders = []
+    for package in ("lifecycle", "transfer", "hashing"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "lifecycle_tools"]
+    assert offenders == []
+
+
+def test_the_command_modules_import_no_circle():
+    """Issue 21: ``cli`` and ``simulate_cmd`` share ``command`` and do not import each other."""
+    import ast
+
+    def imported(name):
+        tree = ast.parse((ROOT / "lifecycle_tools" / f"{name}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+    assert "lifecycle_tools.cli" not in imported("simulate_cmd")
+    assert "lifecycle_tools.simulate_cmd" in imported("cli") and "lifecycle_tools.command" in imported("simulate_cmd")
