@@ -72,7 +72,7 @@ def test_happy_path_events_and_counters():
     (rel,) = events(logs, audit.RELEASED)
     assert pick(rel, "rid", "row", "gen", "ranges", "slots", "committed", "allocated", "quarantined",
                 "log_level") == dict(rid="a", row=row, gen=0, ranges=[(0, 16)], slots=16, committed=16,
-                                     allocated=16, quarantined=0, log_level="info")
+                                     allocated=16, quarantined=0, log_level="debug")
     trans = [pick(e, "rid", "row", "gen", "trigger", "src", "dst") for e in events(logs, audit.TRANSITION)]
     assert {(t["rid"], t["row"], t["gen"]) for t in trans} == {("a", row, 0)}
     assert [(t["trigger"], t["src"], t["dst"]) for t in trans] == [
