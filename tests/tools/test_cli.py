@@ -121,6 +121,9 @@ def test_no_subcommand_and_help(capsys):
     assert rc == 2 and len(err.strip().splitlines()) == 1
     rc, out, _ = run_main(["simulate", "--help"], capsys)
     assert rc == 0 and "--spec-tokens" in out and "--warm" in out
+    flat = " ".join(out.split())   # issue 21: every backend the library opens, and the retention flags
+    assert all(spec in flat for spec in ("memory", "file:DIR", "redis://", "redis+cluster://", "mooncake://"))
+    assert all(flag in flat for flag in ("--ttl", "--key-prefix", "--capacity-bytes"))
 
 
 def test_console_entry_point_runs_as_a_module(tmp_path):
