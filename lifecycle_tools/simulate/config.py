@@ -118,7 +118,10 @@ class _Methods:
         return f"file:{self.storage}"
 
     def _with_retention(self, spec: str) -> str:
-        """``spec`` with ``--capacity-bytes`` / ``--ttl`` / ``--key-prefix`` as its query options."""
+        """``spec`` with ``--capacity-bytes`` / ``--ttl`` / ``--key-prefix`` as its query options
+        (the library, and torch with it, is imported only when one is given)."""
+        if self.capacity_bytes is None and self.ttl is None and self.key_prefix is None:
+            return spec
         from transfer.storage.retention import with_retention_options
 
         return with_retention_options(spec, capacity_bytes=self.capacity_bytes, ttl_s=self.ttl,
@@ -167,16 +170,9 @@ def _check_combinations(cfg) -> None:
 def _check_storage(cfg) -> None:
     if cfg.store is not None and cfg.storage is not None:
         raise ConfigProblem(f"--store {cfg.store!r} and --storage {cfg.storage!r} both name the storage; give one")
-    from transfer.errors import StorageConfigError
-    from transfer.storage.retention import split_retention_options
-
-    try:
-        spec = split_retention_options(cfg.storage_spec)[0]
-    except StorageConfigError as err:
-        given = [f for f, v in (("--capacity-bytes", cfg.capacity_bytes), ("--ttl", cfg.ttl),
-                                ("--key-prefix", cfg.key_prefix)) if v is not None]
-        raise ConfigProblem(f"--storage {cfg._base_spec!r}{' with ' + ', '.join(given) if given else ''}: "
-                            f"{err}") from None
+    spec = cfg._base_spec
+    if "?" in spec or not (cfg.capacity_bytes is None and cfg.ttl is None and cfg.key_prefix is None):
+        spec = _without_retention(cfg)
     if spec.startswith("file:"):
         if len(spec) == 5:
             raise ConfigProblem("--storage file: needs a directory (file:DIR)")
@@ -187,6 +183,20 @@ def _check_storage(cfg) -> None:
         if not is_server_spec(spec):
             raise ConfigProblem(f"unknown storage {spec!r} (use a directory, memory, file:DIR, redis://HOST:PORT/DB, "
                                 f"redis+cluster://HOST:PORT or mooncake://HOST:PORT)")
+
+
+def _without_retention(cfg) -> str:
+    """The storage spec without its retention options, after checking them (ConfigProblem)."""
+    from transfer.errors import StorageConfigError
+    from transfer.storage.retention import split_retention_options
+
+    try:
+        return split_retention_options(cfg.storage_spec)[0]
+    except StorageConfigError as err:
+        given = [f for f, v in (("--capacity-bytes", cfg.capacity_bytes), ("--ttl", cfg.ttl),
+                                ("--key-prefix", cfg.key_prefix)) if v is not None]
+        raise ConfigProblem(f"--storage {cfg._base_spec!r}{' with ' + ', '.join(given) if given else ''}: "
+                            f"{err}") from None
 
 
 def worst_request(cfg) -> tuple[int, int]:

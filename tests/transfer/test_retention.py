@@ -30,6 +30,8 @@ def pages(n):
     ("memory?capacity_bytes=512", "memory", dict(capacity_bytes=512)),
     ("mooncake://h:50051?replica_num=2", "mooncake://h:50051?replica_num=2", {}),
     ("file:/data/kv", "file:/data/kv", {}),
+    ("file:/data/what?", "file:/data/what?", {}),            # a "?" without options is the name's
+    ("file:/data/a?b?capacity_bytes=9", "file:/data/a?b", dict(capacity_bytes=9)),
     ("redis://h:6379/0", "redis://h:6379/0", {}),
 ])
 def test_options_are_split_from_the_spec(spec, rest, options):

@@ -11,8 +11,8 @@ config file) can set what the API sets:
 
 Here the options are only parsed (a value that is not a number, a name the tier does not have, an
 option given twice: ``StorageConfigError``); ranges are the constructors' to check. For
-``file:DIR`` the options follow the last ``?`` of the spec, so a directory whose name contains
-``?`` must be given without options.
+``file:DIR`` the options follow the last ``?`` of the spec when it is followed by ``name=value``
+pairs, so a directory whose name contains ``?`` and ``=`` after it cannot be named with a spec.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def split_retention_options(spec: str) -> tuple[str, dict]:
     tier, allowed = _tier(spec)
     if tier in ("file", "memory"):
         head, sep, query = spec.rpartition("?")
-        if not sep or (tier == "file" and len(head) <= 5):
-            return spec, {}
+        if not sep or "=" not in query or (tier == "file" and len(head) <= 5):
+            return spec, {}   # no options (a "?" in a directory name without "=" is part of it)
         pairs, kept_head = parse_qsl(query, keep_blank_values=True, strict_parsing=False), head
         if not pairs:
             return spec, {}
