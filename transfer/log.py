@@ -142,14 +142,18 @@ class RateLimitedLog:
     by ``flush()`` also has ``summary=True`` (it stands for the suppressed occurrences only). So the
     number of occurrences is the number of lines without ``summary`` plus the sum of ``suppressed``.
     Owners call ``flush()`` when the condition ends (a success after failures) and when closing.
-    Thread-safe; the lock is never held while logging.
+    With ``demote=True`` an occurrence not logged at its level is logged at DEBUG instead of being
+    dropped (with its fields, through the same logger): an audit trail at DEBUG keeps every event,
+    a console at INFO or above sees the bounded lines. Thread-safe; the lock is never held while
+    logging.
     """
 
-    def __init__(self, logger: Logger, interval_s: float = PER_OP_INTERVAL_S, clock=None) -> None:
+    def __init__(self, logger: Logger, interval_s: float = PER_OP_INTERVAL_S, clock=None,
+                 demote: bool = False) -> None:
         import threading
         import time
 
-        self.log = logger
+        self.log, self.demote = logger, demote
         self.interval_s = float(interval_s)
         self._clock = clock or time.monotonic
         self._lock = threading.Lock()
@@ -161,19 +165,29 @@ class RateLimitedLog:
     def error(self, event: str, **fields) -> None:
         self._hit(logging.ERROR, event, fields)
 
-    def _hit(self, level: int, event: str, fields: dict) -> None:
+    def log_via(self, logger: Logger, level: int, event: str, **fields) -> None:
+        """As ``warning``/``error``, through ``logger`` (e.g. one bound to a request's context)."""
+        self._hit(level, event, fields, logger)
+
+    def _hit(self, level: int, event: str, fields: dict, logger: Logger | None = None) -> None:
+        logger = logger or self.log
         now = self._clock()
         with self._lock:
             w = self._windows.get(event)
             if w is not None and now - w.start < self.interval_s:
                 w.suppressed += 1
                 w.level, w.fields = level, fields
-                return
-            suppressed = w.suppressed if w is not None else 0
-            self._windows[event] = _Window(now)
+                suppressed = -1
+            else:
+                suppressed = w.suppressed if w is not None else 0
+                self._windows[event] = _Window(now)
+        if suppressed < 0:
+            if self.demote:
+                logger.log(logging.DEBUG, event, **fields)
+            return
         if suppressed:
             fields = {**fields, "suppressed": suppressed}
-        self.log.log(level, event, **fields)
+        logger.log(level, event, **fields)
 
     def flush(self) -> None:
         """Write one summary line per event with occurrences not yet logged, and start afresh."""
