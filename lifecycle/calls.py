@@ -5,6 +5,7 @@ call's state is consistent (a log processor that calls back into the manager fin
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -14,6 +15,10 @@ from lifecycle.records import Record
 from lifecycle.states import Facts, Refusal, decide
 
 BUSY, CLOSED = "busy", "closed"
+# per-operation alerts: one per chunk, copy or request, so a failing device or tier repeats them
+PER_OP_ALERTS = frozenset((audit.COPY_FAILED, audit.CHUNK_LANDED, audit.COPY_EXPIRED, audit.EXPIRED_COPY_ENDED,
+                           audit.HOST_SHORT, audit.LEAKED, audit.REFUSED))
+_ALERT_LEVELS = {"warning": logging.WARNING, "error": logging.ERROR}
 HOST_SHORT_WARN_S = 60.0  # at most one host-pool-short warning per this many seconds
 
 
@@ -35,7 +40,15 @@ class CallGate:
                 method(event, **fields)
 
     def _emit(self, method, event: str, **fields) -> None:
-        """Log ``event`` once the current call's state is consistent (at once outside a call)."""
+        """Log ``event`` once the current call's state is consistent (at once outside a call).
+
+        A per-operation warning or error (``PER_OP_ALERTS``) goes through the manager's
+        ``RateLimitedLog`` (``_alerts``): at its level at most once per event per interval (with
+        ``suppressed=N``), at DEBUG otherwise, so the audit trail keeps every event and a console
+        gets bounded lines when copies keep failing."""
+        level = _ALERT_LEVELS.get(getattr(method, "__name__", ""))
+        if level is not None and event in PER_OP_ALERTS:
+            method = functools.partial(self._alerts.log_via, method.__self__, level)
         if self._gate is BUSY:
             self._logs.append((method, event, fields))
         else:

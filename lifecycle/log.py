@@ -5,6 +5,6 @@ through structlog when the application configured it (``capture_logs``, ``kv-lif
 and otherwise to the stdlib ``logging`` logger ``lifecycle``, filtered by its level at every call.
 """
 
-from transfer.log import Logger, get_logger
+from transfer.log import Logger, RateLimitedLog, get_logger
 
-__all__ = ["Logger", "get_logger"]
+__all__ = ["Logger", "RateLimitedLog", "get_logger"]

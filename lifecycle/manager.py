@@ -20,7 +20,7 @@ import msgspec
 
 from lifecycle import config, integrity, settle, table
 from lifecycle.calls import BUSY, CLOSED, CallGate, shutdown
-from lifecycle.log import get_logger
+from lifecycle.log import RateLimitedLog, get_logger
 from lifecycle.machine import EVENTS
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release
@@ -78,6 +78,7 @@ class DecodeOffloadManager(CallGate):
         self._debug = False  # refreshed at the start of every call that may log (one level check)
         self._gate: str | None = None  # BUSY inside a call, CLOSED after shutdown
         self._logs: list = []  # audit events of the current call, emitted when it ends
+        self._alerts = RateLimitedLog(self._log, demote=True)  # per-op warnings: bounded lines, all at DEBUG
         self._owners = table.OWNERS
         self._records: dict[int, Record] = {}
         self._dropped: deque = deque()

@@ -164,11 +164,11 @@ def deep_copy(mgr, memo):
 
     Records are re-keyed to the copied requests (they are keyed by identity, weakly), so a copy
     can be driven on its own: used to explore what-if orderings (the bounded model check).
-    The logger, clock, TP group, machine and ownership registry are shared.
+    The logger (and its rate limiter), clock, TP group, machine and ownership registry are shared.
     """
     new = object.__new__(type(mgr))
     memo[id(mgr)] = new
-    shared = {"_log", "_clock", "tp_group", "_fire", "_owners"}  # _on_drop: made for the copy below
+    shared = {"_log", "_alerts", "_clock", "tp_group", "_fire", "_owners"}  # _on_drop: made for the copy below
     for key in shared:
         new.__dict__[key] = mgr.__dict__[key]
     new._dropped = deque()

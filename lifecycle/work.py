@@ -10,7 +10,7 @@ pools) may still raise, and then the transition's effects are undone or never ap
 
 from __future__ import annotations
 
-from logging import INFO
+from logging import DEBUG
 
 from lifecycle import audit
 
@@ -74,8 +74,8 @@ def free_memory(fire) -> None:
             q.released = True
     rec.expired = None
     mgr._released += 1
-    if mgr._log.is_enabled_for(INFO):
-        mgr._emit(rec.log.info, audit.RELEASED, ranges=list(plan.ranges), slots=sum(e - s for s, e in plan.ranges),
+    if mgr._log.is_enabled_for(DEBUG):   # per request: DEBUG, so a server at INFO logs nothing per request
+        mgr._emit(rec.log.debug, audit.RELEASED, ranges=list(plan.ranges), slots=sum(e - s for s, e in plan.ranges),
                   committed=plan.committed, allocated=plan.allocated, quarantined=plan.quarantined)
 
 

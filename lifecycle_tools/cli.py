@@ -2,7 +2,7 @@
 
     kv-lifecycle simulate [--requests N] [--warm] [--audit run.jsonl] [--json report.json|-] ...
     kv-lifecycle audit run.jsonl [--timeline timeline.svg|timeline.mmd]
-    kv-lifecycle diagrams [--out diagrams/]
+    kv-lifecycle diagrams [--out diagrams/] [--states-doc docs/states.md]
 
 Exit codes: 0 all good; 1 the run or the log shows a problem (leak, double free, verification
 mismatch, lifecycle violation, a log with no lifecycle events); 2 bad flags, bad input or an
@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-PROG = "kv-lifecycle"
+from lifecycle_tools.command import PROG, fail, out_path_problem
+
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,10 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("path", help="the audit log (JSON lines)")
     a.add_argument("--timeline", metavar="OUT", help="draw a per-request timeline: OUT.svg or OUT.mmd (Mermaid)")
     a.add_argument("--max-rows", type=_positive, default=100, help="timeline rows drawn (default 100)")
-    dg = sub.add_parser("diagrams", help="write the lifecycle state diagrams")
-    dg.add_argument("--out", default="diagrams", help="output directory (default diagrams/)")
-    dg.add_argument("--states-doc", default="docs/states.md",
-                    help="refresh the generated state table in this file when it exists (default docs/states.md)")
+    dg = sub.add_parser("diagrams", help="write the lifecycle state diagrams",
+                        description="Write request_lifecycle.{mmd,dot,svg} into --out; nothing else is written "
+                                    "unless --states-doc names a file.")
+    dg.add_argument("--out", default="diagrams",
+                    help="output directory (default: diagrams/ in the current directory)")
+    dg.add_argument("--states-doc", metavar="PATH", default=None,
+                    help="also refresh the generated state table in this file (the project's own: "
+                         "docs/states.md); without it no other file is touched")
     return p
 
 
@@ -95,10 +100,6 @@ def _positive(text: str) -> int:
     return v
 
 
-def fail(message: str) -> int:
-    """Write the one-line error and return exit code 2."""
-    sys.stderr.write(f"{PROG}: error: {message}\n")
-    return 2
 
 
 def cmd_audit(args) -> int:
@@ -134,12 +135,12 @@ def cmd_diagrams(args) -> int:
 
     from lifecycle_tools.diagrams import DocProblem, check_states_doc, refresh_states_doc, write_diagrams
 
-    doc = Path(args.states_doc)
+    doc = None if args.states_doc is None else Path(args.states_doc)
     try:
-        if doc.is_file():
-            check_states_doc(doc)      # before anything is written
+        if doc is not None:
+            check_states_doc(doc)      # before anything is written (a missing file: OSError, exit 2)
         paths = write_diagrams(args.out)
-        if doc.is_file() and refresh_states_doc(doc):
+        if doc is not None and refresh_states_doc(doc):
             paths.append(doc)
     except DocProblem as err:
         return fail(str(err))
@@ -150,16 +151,6 @@ def cmd_diagrams(args) -> int:
     if shutil.which("dot") is None:
         sys.stderr.write(f"{PROG}: Graphviz `dot` not found: SVG not rendered (apt-get install graphviz)\n")
     return 0
-
-
-def out_path_problem(path: str, flag: str) -> str | None:
-    """Why ``path`` cannot be written as an output file (None: it can)."""
-    if os.path.isdir(path):
-        return f"{flag} {path!r} is a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        return f"{flag} {path!r}: directory {parent!r} is missing or not writable"
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from lifecycle_tools.cli import PROG, fail, out_path_problem
+from lifecycle_tools.command import PROG, fail, out_path_problem
 
 
 class ProgressBar:

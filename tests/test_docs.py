@@ -23,3 +23,10 @@ def test_doc_example_runs(code):
 
 def test_there_are_examples():
     assert len(list(blocks())) >= 1
+
+
+def test_the_prefix_reuse_example_for_embedders_is_run():
+    """Issue 21: docs/integration.md shows prefix reuse with ``stack.prefix_loader`` (prompt pages
+    stored first), as a block this module runs, not a sketch."""
+    runnable = [b.values[0] for b in blocks() if b.id.startswith("integration.md:")]
+    assert any("stack.prefix_loader.start(" in code and "store_prompt_pages(" in code for code in runnable)

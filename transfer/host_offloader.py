@@ -40,7 +40,7 @@ from transfer.errors import (
 from transfer.host_pool import HostPool
 from transfer.indices import as_index_tensor, check_device_indices, on_host, pages_of_slots, slots_of_pages
 from transfer.kv_pool import KVPool
-from transfer.log import get_logger
+from transfer.log import RateLimitedLog, get_logger
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
 from transfer.storage.base import Storage
 from transfer.worker import BackgroundWorker
@@ -138,6 +138,8 @@ class HostOffloader:
         self._poisoned: set[int] = set()  # host pages holding a failed or expired copy
         self._stats = OffloaderStats()
         self._bp_interval = backpressure_log_interval_s
+        self._oplog = RateLimitedLog(log, clock=clock)   # per-op failures: one line per event per interval
+        self._storage_failing = False   # the last storage op failed (a success then flushes the summary)
         self._bp_next_log = float("-inf")  # clock time after which a rejection may warn again
         self._bp_unlogged = 0  # rejections since the last warning
         self._rejected_run = 0  # writes rejected since the last accepted one
@@ -259,9 +261,9 @@ class HostOffloader:
         self._poisoned.update(pages)
         if error is not None:
             self._stats.copy_failures += 1
-            log.error("offloader.copy_failed", ack_id=tag, expired=expired, error=repr(error))
+            self._oplog.error("offloader.copy_failed", ack_id=tag, expired=expired, error=repr(error))
         else:
-            log.warning("offloader.expired_copy_ended", ack_id=tag)
+            self._oplog.warning("offloader.expired_copy_ended", ack_id=tag)
         self._failed_writes.append(tag)
 
     def failed_writes(self) -> list[int]:
@@ -291,7 +293,7 @@ class HostOffloader:
                     self._discarded.discard(ack)
                 else:
                     self._stats.copy_expired += 1
-                    log.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
+                    self._oplog.error("offloader.copy_expired", ack_id=ack, timeout_s=self.write_timeout_s,
                               pages=len(pages))
                 out.append(ack)
         return out
@@ -347,7 +349,7 @@ class HostOffloader:
         op = next(self._op_ids)
         keys = list(page_hashes)
         if not self._poisoned.isdisjoint(plist):
-            log.error("offloader.store_refused", op_id=op, reason="host pages hold a failed or expired copy")
+            self._oplog.error("offloader.store_refused", op_id=op, reason="host pages hold a failed or expired copy")
 
             def job() -> list[bool]:
                 raise StorageError("source host pages hold a failed or expired copy")
@@ -380,10 +382,14 @@ class HostOffloader:
             if ok:
                 self._stats.storage_ok += 1
                 self._stats.pages_stored += len(pages)
+                if self._storage_failing:   # the outage is over: its summary now
+                    self._storage_failing = False
+                    self._oplog.flush()
             else:
                 self._stats.storage_failed += 1
                 self._failed.append(done.tag)
-                log.warning("offloader.storage_failed", op_id=done.tag,
+                self._storage_failing = True
+                self._oplog.warning("offloader.storage_failed", op_id=done.tag,
                             error=repr(done.error) if done.error else "page write failed")
             out.append(done.tag)
         return out
@@ -442,6 +448,7 @@ class HostOffloader:
         self.engine.close(left())
         self._storage_worker.close(left())
         report = self._close_report(timeout)
+        self._oplog.flush()
         if not report.clean:
             log.error("offloader.close_timed_out", timeout=timeout, in_flight_writes=len(report.abandoned_writes),
                       in_flight_storage=len(report.abandoned_storage), abandoned_writes=report.abandoned_writes,

@@ -119,3 +119,85 @@ class Logger:
 def get_logger(name: str, **context) -> Logger:
     """The library's logger for ``name`` (a module or package name), with optional context."""
     return Logger(name, context)
+
+
+PER_OP_INTERVAL_S = 10.0  # at most one line per per-operation event per this many seconds (per limiter)
+
+
+class _Window:
+    __slots__ = ("start", "suppressed", "level", "fields")
+
+    def __init__(self, start: float) -> None:
+        self.start, self.suppressed, self.level, self.fields = start, 0, logging.WARNING, {}
+
+
+class RateLimitedLog:
+    """Per-operation warnings and errors, at most one line per event per ``interval_s``.
+
+    A failing tier or disk fails every operation; logging each one floods the log (thousands of
+    lines a second). Through this limiter the first occurrence of an event is logged at once with
+    its fields; later occurrences within ``interval_s`` are only counted. The next line of that
+    event (the first occurrence after the interval, or ``flush()``) carries ``suppressed=N``: the
+    occurrences not logged since the previous line, with the fields of the last one; a line written
+    by ``flush()`` also has ``summary=True`` (it stands for the suppressed occurrences only). So the
+    number of occurrences is the number of lines without ``summary`` plus the sum of ``suppressed``.
+    Owners call ``flush()`` when the condition ends (a success after failures) and when closing.
+    With ``demote=True`` an occurrence not logged at its level is logged at DEBUG instead of being
+    dropped (with its fields, through the same logger): an audit trail at DEBUG keeps every event,
+    a console at INFO or above sees the bounded lines. Thread-safe; the lock is never held while
+    logging.
+    """
+
+    def __init__(self, logger: Logger, interval_s: float = PER_OP_INTERVAL_S, clock=None,
+                 demote: bool = False) -> None:
+        import threading
+        import time
+
+        self.log, self.demote = logger, demote
+        self.interval_s = float(interval_s)
+        self._clock = clock or time.monotonic
+        self._lock = threading.Lock()
+        self._windows: dict[str, _Window] = {}
+
+    def warning(self, event: str, **fields) -> None:
+        self._hit(logging.WARNING, event, fields)
+
+    def error(self, event: str, **fields) -> None:
+        self._hit(logging.ERROR, event, fields)
+
+    def log_via(self, logger: Logger, level: int, event: str, **fields) -> None:
+        """As ``warning``/``error``, through ``logger`` (e.g. one bound to a request's context)."""
+        self._hit(level, event, fields, logger)
+
+    def _hit(self, level: int, event: str, fields: dict, logger: Logger | None = None) -> None:
+        logger = logger or self.log
+        now = self._clock()
+        with self._lock:
+            w = self._windows.get(event)
+            if w is not None and now - w.start < self.interval_s:
+                w.suppressed += 1
+                w.level, w.fields = level, fields
+                suppressed = -1
+            else:
+                suppressed = w.suppressed if w is not None else 0
+                self._windows[event] = _Window(now)
+        if suppressed < 0:
+            if self.demote:
+                logger.log(logging.DEBUG, event, **fields)
+            return
+        if suppressed:
+            fields = {**fields, "suppressed": suppressed}
+        logger.log(level, event, **fields)
+
+    def flush(self) -> None:
+        """Write one summary line per event with occurrences not yet logged, and start afresh."""
+        with self._lock:
+            pending = [(e, w) for e, w in self._windows.items() if w.suppressed]
+            self._windows.clear()
+        for event, w in pending:
+            self.log.log(w.level, event, **{**w.fields, "suppressed": w.suppressed, "summary": True})
+
+    def pending(self) -> int:
+        """Occurrences counted but not yet logged."""
+        with self._lock:
+            return sum(w.suppressed for w in self._windows.values())

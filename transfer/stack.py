@@ -104,7 +104,9 @@ def build_stack(
         device_tokens: allocatable device slots (the pool gets ``page_size`` more for padding).
         host_tokens: host pool capacity in tokens.
         rows, max_len: req-to-token pool shape.
-        storage: "memory", "file:DIR", "redis://HOST:PORT/DB" (Redis or Valkey), or a ready ``Storage``.
+        storage: a spec ``open_storage`` takes ("memory", "file:DIR", "redis://HOST:PORT/DB" (Redis or
+            Valkey), "redis+cluster://HOST:PORT", "mooncake://HOST:PORT?..."; retention options as
+            in ``transfer.storage.retention``), or a ready ``Storage``.
         device: "cpu" or "cuda".
         mla: latent-only KV.
         model_name, tp_rank, tp_size, pp_rank, pp_size, attn_cp_rank, attn_cp_size, backend_tag,

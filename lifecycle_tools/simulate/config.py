@@ -69,7 +69,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", 0, k.integer(0, None), "workload seed; the same seed on the same store hits", WORKLOAD),
     Option("store", None, k.text, "file storage directory (default ./kv-store)", STORAGE),
     Option("storage", None, k.text, "another backend instead of --store: memory, file:DIR, "
-           "redis://HOST:PORT/DB", STORAGE),
+           "redis://HOST:PORT/DB, redis+cluster://HOST:PORT, mooncake://HOST:PORT[?options] (retention "
+           "options: docs/storage.md)", STORAGE),
+    Option("capacity_bytes", None, k.integer(1, None, optional=True), "LRU byte bound of the store "
+           "(file, memory, Redis; Mooncake: its global_segment_size option)", STORAGE),
+    Option("ttl", None, k.ttl, "Redis / Redis Cluster page expiry, seconds (default: never)", STORAGE),
+    Option("key_prefix", None, k.text, "Redis / Redis Cluster key prefix (default: none)", STORAGE),
     Option("reuse", True, k.flag_, "never look up stored prefixes", STORAGE, "--no-reuse", "store_false"),
     Option("warm", False, k.flag_, "serve the workload a second time: it hits the store", STORAGE,
            action="store_true"),
@@ -101,11 +106,26 @@ class _Methods:
     def storage_spec(self) -> str:
         """The storage spec the run opens: ``--storage`` as given (a bare path means ``file:PATH``),
         else ``file:`` + ``--store``."""
+        return self._with_retention(self._base_spec)
+
+    @property
+    def _base_spec(self) -> str:
         if self.storage is None:
             return f"file:{self.store or './kv-store'}"
-        if self.storage == "memory" or self.storage.startswith("file:") or "://" in self.storage:
+        if (self.storage == "memory" or self.storage.startswith(("memory?", "file:"))
+                or "://" in self.storage):
             return self.storage
         return f"file:{self.storage}"
+
+    def _with_retention(self, spec: str) -> str:
+        """``spec`` with ``--capacity-bytes`` / ``--ttl`` / ``--key-prefix`` as its query options
+        (the library, and torch with it, is imported only when one is given)."""
+        if self.capacity_bytes is None and self.ttl is None and self.key_prefix is None:
+            return spec
+        from transfer.storage.retention import with_retention_options
+
+        return with_retention_options(spec, capacity_bytes=self.capacity_bytes, ttl_s=self.ttl,
+                                      key_prefix=self.key_prefix)
 
 
 SimConfig = dataclasses.make_dataclass(
@@ -150,7 +170,9 @@ def _check_combinations(cfg) -> None:
 def _check_storage(cfg) -> None:
     if cfg.store is not None and cfg.storage is not None:
         raise ConfigProblem(f"--store {cfg.store!r} and --storage {cfg.storage!r} both name the storage; give one")
-    spec = cfg.storage_spec
+    spec = cfg._base_spec
+    if "?" in spec or not (cfg.capacity_bytes is None and cfg.ttl is None and cfg.key_prefix is None):
+        spec = _without_retention(cfg)
     if spec.startswith("file:"):
         if len(spec) == 5:
             raise ConfigProblem("--storage file: needs a directory (file:DIR)")
@@ -161,6 +183,20 @@ def _check_storage(cfg) -> None:
         if not is_server_spec(spec):
             raise ConfigProblem(f"unknown storage {spec!r} (use a directory, memory, file:DIR, redis://HOST:PORT/DB, "
                                 f"redis+cluster://HOST:PORT or mooncake://HOST:PORT)")
+
+
+def _without_retention(cfg) -> str:
+    """The storage spec without its retention options, after checking them (ConfigProblem)."""
+    from transfer.errors import StorageConfigError
+    from transfer.storage.retention import split_retention_options
+
+    try:
+        return split_retention_options(cfg.storage_spec)[0]
+    except StorageConfigError as err:
+        given = [f for f, v in (("--capacity-bytes", cfg.capacity_bytes), ("--ttl", cfg.ttl),
+                                ("--key-prefix", cfg.key_prefix)) if v is not None]
+        raise ConfigProblem(f"--storage {cfg._base_spec!r}{' with ' + ', '.join(given) if given else ''}: "
+                            f"{err}") from None
 
 
 def worst_request(cfg) -> tuple[int, int]:

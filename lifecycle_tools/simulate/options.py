@@ -73,6 +73,17 @@ rate = number(1e-6, 1e6, "R", " per step", zero="all at once")
 seconds = number(0.001, 3600, "S", " seconds")
 
 
+def optional(check):
+    """``check``, with None (not given) allowed."""
+    def opt(value, flag: str):
+        return None if value is None else check(value, flag)
+    opt.kind = check.kind
+    return opt
+
+
+ttl = optional(number(1, 10 * 365 * 86400, "S", " seconds"))
+
+
 def dist(value, flag: str) -> str:
     parse_dist(value, flag)
     return str(value)

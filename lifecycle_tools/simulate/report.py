@@ -70,6 +70,12 @@ class PassReport:
     verify_mismatched: int = 0
     verify_missing: int = 0
     verify_unavailable: int = 0
+    verify_refused_corrupt: int = 0     # sampled pages the store refused at verification: seal/digest mismatch
+    verify_refused_foreign: int = 0     # ... another page's or format's seal, or another size
+    pages_refused_corrupt: int = 0      # every read of the pass (prefix loads + verification), from the store
+    pages_refused_foreign: int = 0
+    pages_served_unverified: int = 0    # pages the store served without a seal (no integrity check)
+    storage_evictions: int = 0          # pages the store evicted under its capacity bound (its own count)
     drained: bool = True
 
     def error(self, message: str) -> None:
@@ -91,12 +97,51 @@ class PassReport:
             (self.lifecycle_errors, f"{self.lifecycle_errors} lifecycle errors"),
             (self.rows_freed != self.rows_admitted, f"rows freed {self.rows_freed} != admitted {self.rows_admitted}"),
             (self.verify_mismatched, f"{self.verify_mismatched} stored pages differ from their KV"),
-            (self.verify_missing and not (self.storage_failures or self.verify_unavailable),
-             f"{self.verify_missing} offloaded pages missing from storage"),
+            (self.pages_refused_corrupt,
+             f"{self.pages_refused_corrupt} stored pages refused as corrupt (their bytes or seal changed in "
+             "storage; never served)"),
+            (self._missing_unexplained(), f"{self._missing_unexplained()} offloaded pages missing from storage "
+                                          "(written, not refused, not found)"),
             (self.prefix_mismatches, f"{self.prefix_mismatches} loaded prefix pages differ from their KV"),
             (not self.drained, "copies still in flight after the drain timeout"),
         )
         return [msg for bad, msg in checks if bad]
+
+    def _missing_unexplained(self) -> int:
+        """Sampled pages missing with no cause: not refused at the read, and no write failed."""
+        if self.storage_failures or self.verify_unavailable or self.storage_evictions:
+            return 0
+        return max(0, self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign)
+
+    def missing_causes(self) -> list[str]:
+        """Why sampled pages were missing from storage (``verify_missing``), as far as counted."""
+        out = []
+        if self.verify_refused_corrupt:
+            out.append(f"{self.verify_refused_corrupt} refused as corrupt")
+        if self.verify_refused_foreign:
+            out.append(f"{self.verify_refused_foreign} refused: another page, format or size")
+        rest = self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign
+        if rest > 0:
+            why = [w for n, w in ((self.storage_failures, "storage writes failed"),
+                                  (self.storage_evictions, f"the store evicted {self.storage_evictions} pages under its capacity bound"))
+                   if n]
+            out.append(f"{rest} not found" + (f": {'; '.join(why)}" if why else ""))
+        return out
+
+    def unread_reason(self) -> str:
+        """Why no sampled page of this pass was read back and compared ("" when some were)."""
+        if self.verify_ok or self.verify_mismatched:
+            return ""
+        if not self.verify_population:
+            return "no page was offloaded"
+        if not self.verify_sampled:
+            return "verification off (--verify none)"
+        parts = []
+        if self.verify_unavailable:
+            parts.append(f"{self.verify_unavailable} sampled pages unreadable: storage down")
+        if self.verify_missing:
+            parts.append(f"{self.verify_missing} sampled pages missing from storage ({', '.join(self.missing_causes())})")
+        return "; ".join(parts)
 
 
 @dataclass
@@ -132,6 +177,11 @@ class RunReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def pages_verified(self) -> int:
+        """Stored pages read back and found equal to their KV, over every pass."""
+        return sum(p.verify_ok for p in self.passes)
+
     def to_dict(self) -> dict:
         return {"ok": self.ok, "problems": self.problems, "wall_s": round(self.wall_s, 3),
                 "config": self.config, "storage": self.storage, "shutdown": self.shutdown,
@@ -143,7 +193,8 @@ def _mib(n: int) -> str:
 
 
 def _verified(p: PassReport) -> str:
-    extra = [f"{n} {what}" for n, what in ((p.verify_mismatched, "differ"), (p.verify_missing, "missing"),
+    missing = f"missing ({', '.join(p.missing_causes())})"
+    extra = [f"{n} {what}" for n, what in ((p.verify_mismatched, "differ"), (p.verify_missing, missing),
                                           (p.verify_unavailable, "unreadable: storage down")) if n]
     return f"{p.verify_ok}/{p.verify_sampled} ok" + (f", {', '.join(extra)}" if extra else "")
 
@@ -178,6 +229,9 @@ ROWS = (
     ("lifecycle errors", lambda p: f"{p.lifecycle_errors}"),
     ("stored pages verified: ok / sampled (3)", _verified),
     ("  sampled from pages offloaded", lambda p: f"{p.verify_population}"),
+    ("pages refused by storage: corrupt / other page or format (4)",
+     lambda p: f"{p.pages_refused_corrupt} / {p.pages_refused_foreign}"),
+    ("pages served unverified (no seal) (4)", lambda p: f"{p.pages_served_unverified}"),
     ("wall time", lambda p: f"{p.wall_s:.2f} s"),
     ("requests per second", lambda p: f"{p.requests_per_s:.1f}"),
 )
@@ -187,7 +241,29 @@ NOTES = (
     "finalize_release_on_finish, readmit), the offloader enqueue included",
     "(2) HostOffloader.write on the scheduler thread (gather and hand-off of one chunk; the copy runs on a worker)",
     "(3) pages read back from storage and compared byte for byte with the KV they came from",
+    "(4) every read of the pass (prefix loads and verification), as the storage tier counted it",
 )
+
+
+def verdict(report: RunReport) -> list[str]:
+    """The last lines: FAILED with every cause; NOT VERIFIED when no stored page was read back and
+    compared (nothing went wrong, nothing was shown right); else OK, naming what was checked."""
+    if not report.ok:
+        return ["FAILED: " + "; ".join(report.problems)]
+    lifecycle = "no slot leaked, nothing freed twice"
+    unread = [f"{p.name}: {why}" if len(report.passes) > 1 else why
+              for p in report.passes if (why := p.unread_reason())]
+    if not report.pages_verified:
+        return [f"NOT VERIFIED: {lifecycle}; no stored page was read back and compared: " + "; ".join(unread)]
+    sampled = sum(p.verify_sampled for p in report.passes)
+    line = (f"OK: {lifecycle}, every stored page read back is the KV it came from "
+            f"({report.pages_verified} of {sampled} sampled)")
+    short = [f"{p.name}: " if len(report.passes) > 1 else "" for p in report.passes]
+    gaps = [f"{pre}{n} {what}" for pre, p in zip(short, report.passes)
+            if not p.unread_reason()
+            for n, what in ((p.verify_unavailable, "unreadable (storage down)"),
+                            (p.verify_missing, f"missing ({', '.join(p.missing_causes())})")) if n]
+    return [line + ("; not checked: " + ", ".join(gaps + unread) if gaps or unread else "")]
 
 
 def format_summary(report: RunReport, cfg, prog: str = "kv-lifecycle") -> str:
@@ -205,10 +281,8 @@ def format_summary(report: RunReport, cfg, prog: str = "kv-lifecycle") -> str:
     out += NOTES
     if report.shutdown:
         out.append(f"note: {report.shutdown} (storage too slow or down at the end; nothing freed under them)")
-    if report.ok:
-        out.append("OK: no slot leaked, nothing freed twice, every stored page checked is the KV it came from")
-    else:
-        out.append("FAILED: " + "; ".join(report.problems))
+    out += verdict(report)
+    if not report.ok:
         for p in passes:
             out += [f"  {p.name}: {e}" for e in p.errors[:5]]
     return "\n".join(out)

@@ -42,7 +42,7 @@ from lifecycle_tools.simulate.kvdata import SyntheticKV
 from lifecycle_tools.simulate.report import PassReport, Progress
 from lifecycle_tools.simulate.state import PassState, SimRequest
 from lifecycle_tools.simulate.tally import tally_pass
-from lifecycle_tools.simulate.verify import PageSample, verify_sample
+from lifecycle_tools.simulate.verify import PageSample, integrity_of_pass, verify_sample
 from lifecycle_tools.simulate.workload import Plan, all_plans
 
 
@@ -101,6 +101,7 @@ class Simulator:
         tally_pass(rep, ps, self.mgr, self.stack, self.enqueue_timer)
         self._count_leaks(ps)
         verify_sample(ps.sample, self.stack.storage, self.stack.host_pool, self.kv, rep)
+        integrity_of_pass(rep, ps.before[2], self.stack.storage.stats())
         return rep
 
     # -- one iteration of the loop --------------------------------------------------------------

@@ -53,6 +53,24 @@ class PageSample:
 
 def verify_sample(sample: PageSample, storage, host_pool, kv: SyntheticKV, rep: PassReport) -> None:
     """Read every sampled page back from ``storage`` and compare it with its expected bytes."""
+    before = storage.stats()
+    try:
+        _read_back(sample, storage, host_pool, kv, rep)
+    finally:
+        after = storage.stats()
+        rep.verify_refused_corrupt = after.corrupt - before.corrupt
+        rep.verify_refused_foreign = (after.foreign - before.foreign) + (after.wrong_size - before.wrong_size)
+
+
+def integrity_of_pass(rep: PassReport, before, after) -> None:
+    """The pass's integrity rows from the store's counters at its start and after verification."""
+    rep.pages_refused_corrupt = after.corrupt - before.corrupt
+    rep.pages_refused_foreign = (after.foreign - before.foreign) + (after.wrong_size - before.wrong_size)
+    rep.pages_served_unverified = after.unverified - before.unverified
+    rep.storage_evictions = after.evictions - before.evictions
+
+
+def _read_back(sample: PageSample, storage, host_pool, kv: SyntheticKV, rep: PassReport) -> None:
     pages = {key: (kvids, pos) for key, kvids, pos in sample.items}
     keys = sorted(pages)
     rep.verify_population, rep.verify_sampled = sample.population, len(keys)

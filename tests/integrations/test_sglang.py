@@ -446,3 +446,33 @@ def test_stored_pages_are_bit_exact_for_every_kv_dtype(store_dir, dtype):
     for h, data in want:
         assert hicache_file_get(store_dir, h, suffix, mgr.decode_host_mem_pool.page_nbytes) == data
     mgr.release_host_resources()
+
+
+def test_sglangs_console_at_info_gets_no_line_per_request(store_dir, stdlib_logging):
+    """Issue 21: SGLang's default ``--log-level info`` shows nothing per request (the per-request
+    events, ``lifecycle.released`` and ``sglang.released_by_sglang`` included, are DEBUG); a
+    handful of lines per process at most, whatever the number of requests."""
+    import logging
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record)
+
+    root = logging.getLogger()
+    catch, level = Catch(logging.INFO), root.level
+    root.addHandler(catch)
+    root.setLevel(logging.INFO)      # SGLang's default console
+    try:
+        node = Node(doubles_kit())
+        mgr = build(node)
+        run_decode(node, mgr, [(f"r{i}", list(range(7 * i, 7 * i + 9)), 9, 0) for i in range(6)])
+        mgr.release_host_resources()
+    finally:
+        root.removeHandler(catch)
+        root.setLevel(level)
+    ours = [r for r in seen if r.name.startswith("lifecycle")]
+    assert mgr.manager.stats().released == 6
+    assert [r.getMessage() for r in ours if "rid" in getattr(r, "event_dict", {})] == []
+    assert len(ours) <= 2, [r.getMessage() for r in ours]   # enabled, host resources released

@@ -41,7 +41,7 @@ def test_whole_lifecycle_audit_trail():
     landed = logs[4]
     assert landed["ack_id"] == 1 and landed["op_id"] == 1 and landed["latency_s"] >= 0
     released = logs[5]
-    assert released["ranges"] == [(0, 8)] and released["slots"] == 8 and released["log_level"] == "info"
+    assert released["ranges"] == [(0, 8)] and released["slots"] == 8 and released["log_level"] == "debug"  # per request: DEBUG (issue 21)
     stored = logs[7]
     assert (stored["op_id"], stored["ack_id"], stored["pages"], stored["last_hash"]) == (1, 1, 1, chain[1])
 

@@ -72,7 +72,7 @@ def test_happy_path_events_and_counters():
     (rel,) = events(logs, audit.RELEASED)
     assert pick(rel, "rid", "row", "gen", "ranges", "slots", "committed", "allocated", "quarantined",
                 "log_level") == dict(rid="a", row=row, gen=0, ranges=[(0, 16)], slots=16, committed=16,
-                                     allocated=16, quarantined=0, log_level="info")
+                                     allocated=16, quarantined=0, log_level="debug")
     trans = [pick(e, "rid", "row", "gen", "trigger", "src", "dst") for e in events(logs, audit.TRANSITION)]
     assert {(t["rid"], t["row"], t["gen"]) for t in trans} == {("a", row, 0)}
     assert [(t["trigger"], t["src"], t["dst"]) for t in trans] == [
@@ -96,7 +96,8 @@ def test_failed_copies_are_logged_counted_and_never_stored():
     failed = sorted(events(logs, audit.COPY_FAILED), key=lambda e: e["ack_id"])
     assert [pick(e, "rid", "row", "gen", "ack_id", "start", "end", "log_level") for e in failed] == [
         dict(rid="f", row=req.kv.req_pool_idx, gen=0, ack_id=1, start=8, end=12, log_level="error"),
-        dict(rid="f", row=req.kv.req_pool_idx, gen=0, ack_id=2, start=12, end=16, log_level="error"),
+        # issue 21: a repeat within the rate limiter's interval is at DEBUG (the audit trail keeps it)
+        dict(rid="f", row=req.kv.req_pool_idx, gen=0, ack_id=2, start=12, end=16, log_level="debug"),
     ]
     s = rig.mgr.stats()
     assert (s.copy_failures, s.chunks_landed, s.inflight_storage) == (2, 2, 0)
@@ -140,7 +141,7 @@ def test_expired_copies_quarantine_then_end_with_the_right_counts():
     expired = sorted(events(logs, audit.COPY_EXPIRED), key=lambda e: e["ack_id"])
     assert [pick(e, "rid", "ack_id", "start", "end", "slots", "log_level") for e in expired] == [
         dict(rid="x", ack_id=1, start=8, end=12, slots=4, log_level="error"),
-        dict(rid="y", ack_id=2, start=8, end=12, slots=4, log_level="error"),
+        dict(rid="y", ack_id=2, start=8, end=12, slots=4, log_level="debug"),   # a repeat: DEBUG (issue 21)
     ]
     (rel,) = events(logs, audit.RELEASED)
     assert pick(rel, "rid", "ranges", "slots", "quarantined") == dict(rid="x", ranges=[(0, 12)], slots=12,
@@ -148,7 +149,8 @@ def test_expired_copies_quarantine_then_end_with_the_right_counts():
     ended = sorted(events(logs, audit.EXPIRED_COPY_ENDED), key=lambda e: e["ack_id"])
     assert [pick(e, "rid", "ack_id", "slots_freed", "log_level") for e in ended] == [
         dict(rid="x", ack_id=1, slots_freed=4, log_level="warning"),   # released: its slots come back
-        dict(rid="y", ack_id=2, slots_freed=0, log_level="warning"),   # still live: the request keeps them
+        dict(rid="y", ack_id=2, slots_freed=0, log_level="debug"),     # still live: the request keeps them
+        #                                                                (a repeat: DEBUG, issue 21)
     ]
     s = rig.mgr.stats()
     assert (s.copies_expired, s.quarantined_slots) == (2, 0)
@@ -290,3 +292,19 @@ def test_idle_shutdown_closes_without_abandoning():
     with capture_logs() as logs:
         rig.mgr.shutdown()
     assert events(logs, audit.ABANDONED) == [] and rig.off.closed_with == [5.0]
+
+
+def test_a_failing_copy_engine_is_bounded_lines_and_a_complete_audit_trail():
+    """Issue 21: every chunk's copy failing is one ERROR line per interval on a console, while the
+    audit trail (DEBUG and above) still has one ``lifecycle.copy_failed`` per chunk, in order."""
+    rig = Rig(PS)
+    req, _ = rig.admit("f", 8, 64)
+    with capture_logs() as logs:
+        rig.decode(req, 40)                      # ten chunks
+        rig.off.fail(list(range(1, 11)))
+        rig.progress()
+    failed = events(logs, audit.COPY_FAILED)
+    assert sorted(e["ack_id"] for e in failed) == list(range(1, 11))    # the audit trail: every one
+    loud = [e for e in failed if e["log_level"] == "error"]
+    assert len(loud) == 1 and all(e["log_level"] == "debug" for e in failed if e not in loud)
+    assert rig.mgr.stats().copy_failures == 10

@@ -1,5 +1,6 @@
 """The command line: bad flags and impossible configurations exit 2 with one line, before any work."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -98,16 +99,35 @@ def test_diagrams_command_writes_the_diagrams_and_refreshes_the_state_table(tmp_
     assert "stale" not in doc.read_text() and "| `offload` | PREFILLED | OFFLOADING |" in doc.read_text()
 
 
+def test_diagrams_in_another_directory_write_only_its_diagrams_folder(tmp_path, capsys, monkeypatch):
+    """Issue 21: run anywhere, the command writes ./diagrams/ (or --out) and never another
+    project's docs/states.md, even one with the generated-table markers."""
+    from lifecycle_tools.diagrams import DOC_BEGIN, DOC_END
+
+    other = tmp_path / "docs" / "states.md"
+    other.parent.mkdir()
+    text = f"# someone else's doc\n{DOC_BEGIN}\ntheir table\n{DOC_END}\n"
+    other.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    rc, out, _ = run_main(["diagrams"], capsys)
+    assert rc == 0 and other.read_text() == text
+    assert sorted(p.name for p in (tmp_path / "diagrams").iterdir()) == sorted(
+        os.path.basename(p) for p in out.split())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["diagrams", "docs"]
+
+
 def test_no_subcommand_and_help(capsys):
     rc, _, err = run_main([], capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1
     rc, out, _ = run_main(["simulate", "--help"], capsys)
     assert rc == 0 and "--spec-tokens" in out and "--warm" in out
+    flat = " ".join(out.split())   # issue 21: every backend the library opens, and the retention flags
+    assert all(spec in flat for spec in ("memory", "file:DIR", "redis://", "redis+cluster://", "mooncake://"))
+    assert all(flag in flat for flag in ("--ttl", "--key-prefix", "--capacity-bytes"))
 
 
-@pytest.mark.parametrize("module", ["lifecycle_tools", "lifecycle"])
-def test_console_entry_point_runs_as_a_module(tmp_path, module):
-    proc = subprocess.run([sys.executable, "-m", module, "simulate", "--stride", "7",
+def test_console_entry_point_runs_as_a_module(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "lifecycle_tools", "simulate", "--stride", "7",
                            "--store", str(tmp_path / "s")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
@@ -119,3 +139,30 @@ def test_readme_first_command_is_simulate():
     block = text.split("```bash", 1)[1].split("```", 1)[0].strip().splitlines()
     assert block[0].endswith("&& .venv/bin/kv-lifecycle simulate")
     assert block[1].endswith("&& .venv/bin/python -m pytest")
+
+
+def test_the_library_never_imports_its_tools():
+    """Issue 21: ``lifecycle``, ``transfer`` and ``hashing`` name no ``lifecycle_tools`` module in
+    any import (``python -m lifecycle`` was the last one); the tools import the library, not back."""
+    import ast
+
+    offenders = []
+    for package in ("lifecycle", "transfer", "hashing"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "lifecycle_tools"]
+    assert offenders == []
+
+
+def test_the_command_modules_import_no_circle():
+    """Issue 21: ``cli`` and ``simulate_cmd`` share ``command`` and do not import each other."""
+    import ast
+
+    def imported(name):
+        tree = ast.parse((ROOT / "lifecycle_tools" / f"{name}.py").read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+    assert "lifecycle_tools.cli" not in imported("simulate_cmd")
+    assert "lifecycle_tools.simulate_cmd" in imported("cli") and "lifecycle_tools.command" in imported("simulate_cmd")

@@ -25,7 +25,7 @@ def test_committed_text_diagrams_match_the_machine(tmp_path):
 def test_committed_state_table_matches_the_machine(tmp_path):
     doc = tmp_path / "states.md"
     doc.write_text((ROOT / "docs" / "states.md").read_text())
-    assert not diagrams.refresh_states_doc(doc), "docs/states.md is stale: run `kv-lifecycle diagrams`"
+    assert not diagrams.refresh_states_doc(doc), "docs/states.md is stale: run `kv-lifecycle diagrams --states-doc docs/states.md`"
 
 
 def test_every_transition_is_an_edge_with_its_trigger_and_guard():

@@ -210,7 +210,7 @@ def real_log(tmp_path_factory):
     d = tmp_path_factory.mktemp("sim")
     log = d / "audit.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "lifecycle", "simulate", *SMALL, "--store", str(d / "store"), "--audit", str(log)],
+        [sys.executable, "-m", "lifecycle_tools", "simulate", *SMALL, "--store", str(d / "store"), "--audit", str(log)],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return log.read_text().splitlines()

@@ -20,7 +20,7 @@ def simulate(tmp_path: Path, *extra: str, store: Path | None = None, name: str =
     out = tmp_path / f"{name}.json"
     where = [] if "--storage" in extra else ["--store", str(store or tmp_path / "store")]
     proc = subprocess.run(
-        [sys.executable, "-m", "lifecycle", "simulate", *SMALL, *where, "--json", str(out), *extra],
+        [sys.executable, "-m", "lifecycle_tools", "simulate", *SMALL, *where, "--json", str(out), *extra],
         capture_output=True, text=True, timeout=120)
     report = json.loads(out.read_text()) if out.exists() else None
     return proc, report

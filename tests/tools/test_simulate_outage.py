@@ -12,6 +12,7 @@ import time
 import pytest
 
 from lifecycle_tools.testkit.redis_server import require_server, start_server
+from transfer.log import PER_OP_INTERVAL_S
 
 RUN = ["--requests", "60", "--turns", "2", "--prompt-len", "16-64", "--output-len", "24-64", "--layers", "1",
        "--heads", "1", "--head-dim", "8", "--page-size", "4", "--device-tokens", "2048", "--host-tokens", "512",
@@ -65,7 +66,10 @@ def server():
 
 def check_outage_report(rc, stdout, report):
     assert rc == 0, stdout
-    assert "OK:" in stdout and "requests per second" in stdout
+    assert "requests per second" in stdout
+    verdict = stdout.strip().splitlines()[-1]
+    # OK only when pages were read back and compared; else NOT VERIFIED, saying why
+    assert verdict.startswith("OK:") == (report["passes"][0]["verify_ok"] > 0), verdict
     (p,) = report["passes"]
     assert p["slots_leaked"] == p["rows_leaked"] == p["host_pages_leaked"] == 0
     assert p["double_frees"] == p["lifecycle_errors"] == 0 and p["verify_mismatched"] == 0
@@ -80,6 +84,31 @@ def test_server_killed_mid_run(server, tmp_path):
     check_outage_report(rc, stdout, report)
     p = report["passes"][0]
     assert p["prefix_lookups_failed"] > 0 or p["storage_failures"] > 0, p
+    # issue 21: the server is gone when the sample is read back: nothing verified, and the run says so
+    assert p["verify_ok"] == 0 and p["verify_unavailable"] == p["verify_sampled"] > 0, p
+    verdict = stdout.strip().splitlines()[-1]
+    assert verdict.startswith("NOT VERIFIED:") and "storage down" in verdict and "OK" not in verdict, verdict
+    check_warnings_bounded(stderr, report)
+
+
+def check_warnings_bounded(stderr, report):
+    """Issue 21: an outage is one tier_down and, per per-operation event, one line per interval plus
+    a summary with the count; never one line per operation."""
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    warnings = [e for e in lines if e["level"] in ("warning", "error")]
+    by_event = {}
+    for e in warnings:
+        by_event.setdefault(e["event"], []).append(e)
+    assert len(by_event.get("storage.tier_down", [])) == 1, by_event.keys()
+    windows = 2 + int(report["wall_s"] // PER_OP_INTERVAL_S)    # lines one limiter may write in the run
+    for event, evs in by_event.items():
+        assert len(evs) <= 2 * windows, (event, len(evs))          # one offloader + one store limiter
+    failed = by_event["offloader.storage_failed"]
+    p = report["passes"][0]
+    assert p["storage_failures"] > 2 * windows                  # the flood this replaces: one line each
+    # the summary counts every failure: lines that are occurrences + the occurrences they summarise
+    assert sum(not e.get("summary") for e in failed) + sum(e.get("suppressed", 0) for e in failed) \
+        == p["storage_failures"]
 
 
 def test_server_hung_mid_run(server, tmp_path):

@@ -65,7 +65,7 @@ def test_timeline_from_a_real_log(tmp_path, capsys):
     import sys
 
     log = tmp_path / "a.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "lifecycle", "simulate", *SMALL, "--requests", "6",
+    proc = subprocess.run([sys.executable, "-m", "lifecycle_tools", "simulate", *SMALL, "--requests", "6",
                            "--store", str(tmp_path / "s"), "--audit", str(log)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr

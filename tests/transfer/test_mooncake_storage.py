@@ -411,3 +411,25 @@ def test_exists_counts_the_longest_stored_prefix_and_delete_reports(store):
     assert store.delete(h[1]) is True and store.delete(h[1]) is False
     assert store.batch_exists(h) == 1
     assert store.batch_get(h[:2], [p[2].clone(), p[2].clone()]) == [True, False]
+
+
+def test_setup_noise_is_dropped_and_every_other_stderr_line_kept():
+    """Issue 21: the two lines Mooncake's client prints on every healthy start are dropped; anything
+    else written to file descriptor 2 meanwhile (a real setup error) still reaches stderr, in order.
+    Run in a child process whose fd 2 is a pipe we read."""
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent('''
+        import os
+        from transfer.storage.mooncake_conn import setup_noise_dropped
+        with setup_noise_dropped():
+            os.write(2, b"WARNING: Logging before InitGoogleLogging() is written to STDERR\\n")
+            os.write(2, b"E1201 18:28:08.365532  8881 transfer_metadata.cpp:1098] Local segment descriptor not found\\n")
+            os.write(2, b"E1201 18:28:09.000001  8881 real_client.cpp:77] Failed to connect to master\\n")
+        os.write(2, b"after\\n")
+    ''')
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == b"E1201 18:28:09.000001  8881 real_client.cpp:77] Failed to connect to master\nafter\n"

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import msgspec
-from transfer.log import get_logger
+from transfer.log import RateLimitedLog, get_logger
 import torch
 
 from transfer.storage.checks import check_batch, check_store  # noqa: F401 (check_batch re-exported)
@@ -116,6 +116,9 @@ class Storage(ABC):
         Returns:
             The names of the page writes abandoned (default: nothing to wait for, ``[]``).
         """
+        oplog = getattr(self, "_oplog", None)
+        if oplog is not None:  # the summary of rate-limited per-page log lines
+            oplog.flush()
         return []
 
 
@@ -168,6 +171,7 @@ class IndexedStorage(Storage):
     ) -> None:
         check_store(page_nbytes, page_format, capacity_bytes=capacity_bytes, capacity_pages=capacity_pages)
         self.suffix, self.page_nbytes = check_suffix(suffix), page_nbytes
+        self._oplog = RateLimitedLog(log)   # per-page failures: one line per event per interval
         self.page_format, self.checksum, self.require_checksum = page_format, checksum, require_checksum
         self._index = LruIndex(capacity_bytes, capacity_pages)
         self._lock = threading.Lock()
@@ -218,7 +222,7 @@ class IndexedStorage(Storage):
             try:
                 self._remove(name)
             except OSError as err:
-                log.warning("storage.evict_failed", name=name, error=str(err))
+                self._oplog.warning("storage.evict_failed", name=name, error=str(err))
         if names:
             self._count("evictions", len(names))
 
@@ -241,7 +245,7 @@ class IndexedStorage(Storage):
         for (i, name, page), err in zip(todo, self._write_many([(n, p) for _, n, p in todo])):
             if err is not None:
                 self._count("errors")
-                log.error("storage.write_failed", name=name, errno=err.errno, error=str(err))
+                self._oplog.error("storage.write_failed", name=name, errno=err.errno, error=str(err))
                 continue
             with self._lock:
                 evicted = self._index.add(name, _nbytes(page))
@@ -277,7 +281,7 @@ class IndexedStorage(Storage):
         if verdict is Verdict.OK:
             return True
         self._count(verdict.value)
-        log.error("storage.page_refused", name=name, verdict=verdict.value)
+        self._oplog.error("storage.page_refused", name=name, verdict=verdict.value)
         if verdict is Verdict.CORRUPT:  # a later write can repair it; batch_exists won't re-adopt it
             try:
                 self._remove(name)
@@ -299,7 +303,7 @@ class IndexedStorage(Storage):
                     ok = whole and self._verify(name, buf, sealed)
                 except OSError as err:
                     self._count("errors")
-                    log.error("storage.read_failed", name=name, errno=err.errno, error=str(err))
+                    self._oplog.error("storage.read_failed", name=name, errno=err.errno, error=str(err))
                 if not ok:
                     buf.reshape(-1).view(torch.uint8).zero_()  # never leave a refused page's bytes
             with self._lock:
@@ -348,7 +352,7 @@ class IndexedStorage(Storage):
             removed = self._remove(name)  # also a page another process stored that we never indexed
         except OSError as err:
             self._count("errors")
-            log.error("storage.delete_failed", name=name, errno=err.errno, error=str(err))
+            self._oplog.error("storage.delete_failed", name=name, errno=err.errno, error=str(err))
             return False
         if removed:
             self._count("deletes")

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 
-from transfer.log import get_logger
+from transfer.log import RateLimitedLog, get_logger
 import torch
 
 from transfer.errors import StorageUnavailable
@@ -113,6 +113,7 @@ class FileStorage(IndexedStorage):
         check_seconds("stale_temp_s", stale_temp_s)
         super().__init__(suffix, page_nbytes, capacity_bytes, capacity_pages, page_format=page_format,
                          checksum=checksum, require_checksum=require_checksum)
+        self._file_oplog = RateLimitedLog(log)   # per-page events of this store: one line per interval
         self._stats = FileStorageStats()
         self.directory = os.fspath(directory)
         self.fsync = fsync
@@ -152,7 +153,7 @@ class FileStorage(IndexedStorage):
                             pass
                     continue
                 if self.page_nbytes is not None and st.st_size != self.page_nbytes:
-                    log.warning("file_storage.ignored_wrong_size", path=entry.path, size=st.st_size)
+                    self._file_oplog.warning("file_storage.ignored_wrong_size", path=entry.path, size=st.st_size)
                     continue
                 found.append((st.st_mtime, entry.name[: -len(".bin")], st.st_size))
         found.sort()
@@ -247,6 +248,8 @@ class FileStorage(IndexedStorage):
             log.error("file_storage.close_abandoned", directory=self.directory, timeout=timeout,
                       pages=abandoned, detail="page writes still running at the close deadline (a hung "
                       "filesystem call cannot be cancelled); their threads are left behind")
+        self._file_oplog.flush()
+        super().close()  # the rate-limited per-page log lines' summary
         return abandoned
 
     def _read(self, name: str, into: torch.Tensor) -> tuple[bool, bytes | None]:
@@ -258,11 +261,11 @@ class FileStorage(IndexedStorage):
                 sealed = self._get_seal(f.fileno()) if whole and self.checksum else None
         except FileNotFoundError:
             self._count("stale_indexed")
-            log.warning("file_storage.page_vanished", name=name)
+            self._file_oplog.warning("file_storage.page_vanished", name=name)
             return False, None
         if not whole:
             self._count("wrong_size")
-            log.error("file_storage.wrong_size", name=name, expected=buf.nbytes, size=self._probe(name))
+            self._file_oplog.error("file_storage.wrong_size", name=name, expected=buf.nbytes, size=self._probe(name))
             return False, None
         return True, sealed
 
@@ -322,5 +325,5 @@ class FileStorage(IndexedStorage):
         if self._adoptable(name) is not None:
             return True
         self._count("stale_indexed")
-        log.warning("file_storage.page_vanished", name=name, size=self._probe(name))
+        self._file_oplog.warning("file_storage.page_vanished", name=name, size=self._probe(name))
         return False

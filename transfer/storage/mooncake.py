@@ -34,7 +34,7 @@ import msgspec
 import torch
 
 from transfer.errors import InvalidPage, StorageConfigError, StorageUnavailable
-from transfer.log import get_logger
+from transfer.log import RateLimitedLog, get_logger
 from transfer.storage import mooncake_conn as conn
 from transfer.storage.base import Storage, StorageStats
 from transfer.storage.checks import check_batch, check_store
@@ -113,6 +113,7 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
         self.page_format = page_format
         self.url = f"mooncake://{settings.master}"
         self.breaker = CircuitBreaker(self.url)
+        self._oplog = RateLimitedLog(log)   # per-page failures: one line per event per interval
         self._stats = MooncakeStorageStats()
         self._warned_unverified = False
         self._exists_busy = threading.Lock()
@@ -260,7 +261,7 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
             bad = next((c for c in group if c not in (conn.OK, conn.EXISTS)), None)
             if bad is not None:
                 self._count(errors=1, no_space=int(bad == conn.NO_SPACE))
-                log.error("mooncake.write_failed", name=names[0], code=conn.code_name(bad))
+                self._oplog.error("mooncake.write_failed", name=names[0], code=conn.code_name(bad))
             out.append(bad is None)
         return out
 
@@ -322,7 +323,7 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
         buf.zero_()
         if verdict is not None:  # nothing is removed: bytes that fail our seal are not provably ours
             self._count(**{verdict.value: 1})
-            log.error("mooncake.page_refused", name=self.naming.page_name(key), verdict=verdict.value)
+            self._oplog.error("mooncake.page_refused", name=self.naming.page_name(key), verdict=verdict.value)
         return False
 
     def _unverified(self, key: str) -> None:

@@ -14,10 +14,13 @@ finishes after its caller gave up closes its own client, so nothing leaks.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import socket
+import sys
+import tempfile
 import threading
 from urllib.parse import parse_qsl, urlsplit
 
@@ -214,12 +217,54 @@ def setup_client(settings: MooncakeSettings):
     store_cls, _ = import_store()
     _quiet_env(settings)
     store = store_cls()
-    rc = store.setup(settings.hostname, settings.metadata_server, settings.global_segment_size,
-                     settings.local_buffer_size, settings.protocol, settings.device_name, settings.master)
+    with setup_noise_dropped():
+        rc = store.setup(settings.hostname, settings.metadata_server, settings.global_segment_size,
+                         settings.local_buffer_size, settings.protocol, settings.device_name, settings.master)
     if rc != 0:
         close_quietly(store)
         raise StorageUnavailable(f"mooncake setup against master {settings.master} failed (code {rc})")
     return store
+
+
+# The two lines Mooncake's C++ client writes to stderr on every healthy start, whatever MC_LOG_LEVEL
+# (it maps only TRACE/INFO/WARNING/ERROR onto glog's minloglevel, overriding GLOG_minloglevel): its
+# TCP transport, installed in P2P-handshake mode before the client's own segment is registered,
+# answers its first handshake with LOG(ERROR) "Local segment descriptor not found"
+# (transfer_metadata.cpp, TransferMetadata::receivePeerMetadata), and glog prefixes the first line
+# of a process with a warning that it was never initialised.
+SETUP_NOISE = (re.compile(rb"^WARNING: Logging before InitGoogleLogging\(\) is written to STDERR\r?\n?$"),
+               re.compile(rb"^E\d{4} [\d:.]+ +\d+ transfer_metadata\.cpp:\d+\] Local segment descriptor not found\r?\n?$"))
+
+
+@contextlib.contextmanager
+def setup_noise_dropped():
+    """Hold file descriptor 2 in a temporary file while the block runs (Mooncake's ``setup``, which
+    holds the GIL: no Python thread writes meanwhile), then write back every line but the known
+    start-up noise (``SETUP_NOISE``), in order. A healthy start prints nothing; any other line —
+    a real setup error — still reaches stderr. Without a usable fd 2 the block just runs."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):
+        yield
+        return
+    held = tempfile.TemporaryFile()
+    try:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+        held.seek(0)
+        lines = held.read().splitlines(keepends=True)
+        held.close()
+        kept = [line for line in lines if not any(p.match(line) for p in SETUP_NOISE)]
+        if kept:
+            os.write(2, b"".join(kept))
+        if len(kept) < len(lines):
+            log.debug("mooncake.setup_noise_dropped", lines=len(lines) - len(kept))
 
 
 def close_quietly(store) -> None:

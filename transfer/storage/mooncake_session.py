@@ -106,6 +106,9 @@ class ClientSession:
                 return
             self._closed.set()
             store, buffers, self._store = self._store, self._buffers, None
+        oplog = getattr(self, "_oplog", None)
+        if oplog is not None:   # the summary of rate-limited per-page log lines
+            oplog.flush()
 
         def finish() -> None:
             self._exists_pool.shutdown(wait=True, cancel_futures=True)

@@ -50,7 +50,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from transfer.errors import StorageConfigError, StorageUnavailable
-from transfer.log import get_logger
+from transfer.log import RateLimitedLog, get_logger
 from transfer.storage.base import Storage, StorageStats
 from transfer.storage.checks import check_batch, check_seconds, check_size, check_store, check_ttl
 from transfer.storage.breaker import CircuitBreaker
@@ -128,6 +128,7 @@ class RedisStorage(RedisReads, Storage):
             check_url(url)
         self.suffix, self.page_nbytes, self.key_prefix = check_suffix(suffix), page_nbytes, key_prefix
         self.url = redact(url)
+        self._oplog = RateLimitedLog(log)   # per-op failures: one line per event per interval
         self.page_format = page_format
         self.pipeline_bytes = pipeline_bytes
         self.breaker = breaker if breaker is not None else CircuitBreaker(self.url)
@@ -195,7 +196,7 @@ class RedisStorage(RedisReads, Storage):
             self._count("errors")
             self._count("unavailable")
             self.breaker.failure(err)
-            log.warning("redis_storage.unavailable", op=what, url=self.url, error=_reason(err))
+            self._oplog.warning("redis_storage.unavailable", op=what, url=self.url, error=_reason(err))
             raise StorageUnavailable(f"redis storage at {self.url} is unreachable ({what}): {_reason(err)}") from err
         self.breaker.success()
         return replies
@@ -224,7 +225,7 @@ class RedisStorage(RedisReads, Storage):
         try:
             self._run(lambda p: p.delete(*names), "evict")
         except StorageUnavailable as err:
-            log.warning("redis_storage.evict_failed", names=len(names), error=str(err))
+            self._oplog.warning("redis_storage.evict_failed", names=len(names), error=str(err))
         self._count("evictions", len(names))
 
     def _format(self, page: torch.Tensor) -> PageFormat:
@@ -272,7 +273,7 @@ class RedisStorage(RedisReads, Storage):
         for k, reply in zip(bad, fixed):
             replies[where[k]] = reply if isinstance(reply, Exception) else "repaired"
             if not isinstance(reply, Exception):
-                log.warning("redis_storage.repaired", name=names[k])
+                self._oplog.warning("redis_storage.repaired", name=names[k])
 
     def _seal_ok(self, name: str, head, length, fmt: PageFormat | None, nbytes: int | None) -> bool:
         if isinstance(head, Exception) or isinstance(length, Exception) or not head:
@@ -288,7 +289,7 @@ class RedisStorage(RedisReads, Storage):
         for i, name, reply in zip(run, names, replies):
             if isinstance(reply, Exception):
                 self._count("errors")
-                log.error("redis_storage.write_failed", name=name, error=str(reply))
+                self._oplog.error("redis_storage.write_failed", name=name, error=str(reply))
                 return False
             with self._lock:
                 if reply == "skipped":
@@ -330,7 +331,7 @@ class RedisStorage(RedisReads, Storage):
         (count,) = self._run(lambda p: p.delete(name), "delete")
         if isinstance(count, Exception):
             self._count("errors")
-            log.error("redis_storage.delete_failed", name=name, error=str(count))
+            self._oplog.error("redis_storage.delete_failed", name=name, error=str(count))
             return False
         with self._lock:
             self._index.remove(name)
@@ -347,6 +348,7 @@ class RedisStorage(RedisReads, Storage):
     def close(self, timeout: float | None = None) -> list[str]:
         """Close the client's connections (no wait: a write in flight holds its own connection,
         bounded by ``socket_timeout_s``). Idempotent. Returns ``[]`` (nothing abandoned here)."""
+        self._oplog.flush()
         try:
             self._client.close()
         except RedisError:

@@ -88,7 +88,7 @@ class RedisReads:
                 results[i] = self._verify_read(names[j], head, reply, dst, page, corrupt)
             elif reply is not None:
                 self._count("errors")
-                log.error("redis_storage.read_failed", name=names[j], error=str(reply))
+                self._oplog.error("redis_storage.read_failed", name=names[j], error=str(reply))
         return check
 
     def _read_wire(self, names: list[bytes], dests: list[memoryview], on_reply) -> list:
@@ -133,5 +133,5 @@ class RedisReads:
         self._count(verdict.value)
         if verdict is Verdict.CORRUPT:
             corrupt.append(name)
-        log.error("redis_storage.page_refused", name=name, verdict=verdict.value, size=length)
+        self._oplog.error("redis_storage.page_refused", name=name, verdict=verdict.value, size=length)
         return False

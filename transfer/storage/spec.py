@@ -19,6 +19,7 @@ from transfer.storage.base import Storage
 from transfer.storage.identity import IDENTITY_OPTIONS, PAGE_FIRST, DeploymentIdentity, identity_changes
 from transfer.storage.checks import check_sizes, check_ttl
 from transfer.storage.integrity import PageFormat
+from transfer.storage.retention import merge, split_retention_options
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
 
@@ -89,6 +90,7 @@ def open_storage(
     identity: DeploymentIdentity | None = None,
     capacity_bytes: int | None = None,
     ttl_s: float | None = None,
+    key_prefix: str = "",
     page_format: PageFormat | None = None,
     require_checksum: bool = False,
     connect_timeout_s: float = 0.5,
@@ -108,6 +110,10 @@ def open_storage(
             Mooncake tier then needs identity options in its URL or is refused).
         capacity_bytes: LRU bound (None: unbounded).
         ttl_s: page expiry for a server backend (ignored by the others).
+        key_prefix: prepended to every Redis / Redis Cluster key (ignored by the others).
+            ``capacity_bytes``, ``ttl_s`` and ``key_prefix`` may also be query options of ``spec``
+            (``transfer.storage.retention``: ``redis://h:6379/0?ttl_s=3600&key_prefix=kv:``,
+            ``file:DIR?capacity_bytes=N``); an option in both places with different values is an error.
         page_format: what the pages are (layout, dtype, shape), sealed with every page and checked
             on read by every backend (None: each page's own dtype and shape, layout ``raw``). With
             an identity whose layout is not ``page_first``, the page-first host pages this
@@ -122,6 +128,9 @@ def open_storage(
         StorageUnavailable: the directory is not writable, or the server does not answer (a
             one-line message naming the URL and the reason).
     """
+    spec, retention = split_retention_options(spec)
+    capacity_bytes = merge("capacity_bytes", retention, capacity_bytes)
+    ttl_s, key_prefix = merge("ttl_s", retention, ttl_s), merge("key_prefix", retention, key_prefix)
     check_ttl(ttl_s)  # every tier: a bad expiry or bound is refused even where it is not used
     check_sizes(page_nbytes=page_nbytes, capacity_bytes=capacity_bytes)
     spec, identity = resolve_identity(spec, suffix, identity, page_format)
@@ -132,18 +141,18 @@ def open_storage(
                 f"page format {page_format} is {'an MLA' if len(page_format.shape) == 4 else 'an MHA'} page, "
                 f"the deployment identity says mla={identity.mla}")
     if identity is None or identity.layout == PAGE_FIRST:
-        return _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, page_format, require_checksum,
-                     connect_timeout_s)
+        return _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, key_prefix, page_format,
+                     require_checksum, connect_timeout_s)
     from transfer.storage.layout import stored_in_layout
 
     if page_format is None:
         raise StorageConfigError(f"host layout {identity.layout} needs the page format (dtype, shape) to order "
                                  "the bytes; pass page_format")
-    return stored_in_layout(lambda fmt: _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, fmt,
+    return stored_in_layout(lambda fmt: _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, key_prefix, fmt,
                                               require_checksum, connect_timeout_s), identity.layout, page_format)
 
 
-def _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, page_format, require_checksum,
+def _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, key_prefix, page_format, require_checksum,
           connect_timeout_s) -> Storage:
     if spec == "memory":
         from transfer.storage.memory import MemoryStorage
@@ -162,13 +171,13 @@ def _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, page_forma
         url = "rediss://" + spec[len("valkeys://"):] if spec.startswith("valkeys://") else url
         return RedisStorage(url, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
                             page_format=page_format, connect_timeout_s=connect_timeout_s,
-                            key_prefix=identity.redis_key_prefix if identity is not None else "")
+                            key_prefix=key_prefix + (identity.redis_key_prefix if identity is not None else ""))
     if isinstance(spec, str) and spec.startswith(CLUSTER_SCHEMES):
         from transfer.storage.redis_cluster import RedisClusterStorage
 
         return RedisClusterStorage(spec, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
                                    page_format=page_format, connect_timeout_s=connect_timeout_s,
-                                   key_prefix=identity.redis_key_prefix if identity is not None else "")
+                                   key_prefix=key_prefix + (identity.redis_key_prefix if identity is not None else ""))
     if isinstance(spec, str) and spec.startswith("mooncake://"):
         from transfer.storage.mooncake import MooncakeStorage
         from transfer.storage.mooncake_conn import parse_spec

@@ -167,7 +167,7 @@ class DecodeKVCacheOffloadManager:
         with self.release_sink.released_by_sglang(req):
             self.manager.finalize_release_on_finish(req)
         self._released_by_sglang.add(req)
-        log.info("sglang.released_by_sglang", rid=getattr(req, "rid", None))
+        log.debug("sglang.released_by_sglang", rid=getattr(req, "rid", None))
         return True
 
     SGLANG_RELEASE_WAIT_S = 10.0  # TP=1 only: then SGLang frees anyway (logged sglang.release_under_copy)
