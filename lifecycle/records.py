@@ -60,6 +60,7 @@ class Chunk(msgspec.Struct):
     page_hashes: list
     enqueued_at: float
     indices: object = None  # the int64 device slots the copy reads (planned before the offload)
+    parent_hash: str | None = None  # the page before the chunk's first (its hash chain's parent)
 
 
 class StorageOp(msgspec.Struct, gc=False):
@@ -102,6 +103,8 @@ class Stats(msgspec.Struct):
     copy_failures: int = 0
     quarantined_slots: int = 0
     unsettled: int = 0  # completions reported by the offloader, not settled yet (check_offload_progress)
+    transitions: dict[str, int] = msgspec.field(default_factory=dict)  # state changes by trigger
+    refusals: dict[str, int] = msgspec.field(default_factory=dict)  # refused calls by "TRIGGER in STATE"
 
 
 class RecordView(msgspec.Struct):

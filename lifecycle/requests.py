@@ -173,4 +173,4 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
     except TokenRangeError:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
     indices = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
-    return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices)
+    return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices, rec.offload.last_hash)
