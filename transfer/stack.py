@@ -82,6 +82,7 @@ def build_stack(
     attn_cp_size: int = 1,
     storage_require_checksum: bool = False,
     lookup_timeout_s: float | None = 0.05,
+    kv_events=None,
 ) -> TransferStack:
     """Build a stack.
 
@@ -100,6 +101,9 @@ def build_stack(
         storage_ttl_s: page expiry for a Redis backend (None: never).
         storage_require_checksum: strict mode: a stored page without a seal is a miss.
         lookup_timeout_s: the prefix loader's deadline on a storage lookup (``PrefixLoader``).
+        kv_events: a ``transfer.kv_events.KVEventPublisher`` (or None): pages handed from the host
+            pool to storage are announced ``CPU_PINNED`` and the tier's writes and removals with
+            the tier's medium (``attach_events``).
     A built backend seals every page with ``page_format(...)``: layout ``page_first``, the KV
     dtype and the host page shape.
     Raises:
@@ -117,7 +121,7 @@ def build_stack(
                              ttl_s=storage_ttl_s, page_format=page_format(host),
                              require_checksum=storage_require_checksum)
     allocator = PagedTokenAllocator(device_tokens, page_size)
-    return TransferStack(
+    stack = TransferStack(
         kv_pool=kv,
         allocator=allocator,
         req_to_token_pool=ReqToTokenPool(rows, max_len, device=device),
@@ -126,6 +130,20 @@ def build_stack(
         offloader=HostOffloader(kv, host, store),
         prefix_loader=PrefixLoader(kv, allocator, host, store, lookup_timeout_s=lookup_timeout_s),
     )
+    if kv_events is not None:
+        attach_events(stack, kv_events)
+    return stack
+
+
+def attach_events(stack: TransferStack, publisher) -> None:
+    """Announce the stack's pages on ``publisher``: the storage tier's writes and removals
+    (``storage.events``, medium from ``kv_events.medium_of``) and the host pages handed to storage
+    (``offloader.events``, ``CPU_PINNED``)."""
+    from transfer.kv_events.announcer import HostAnnouncer, TierAnnouncer, medium_of
+
+    page_size = stack.host_pool.page_size
+    stack.storage.events = TierAnnouncer(publisher, medium_of(stack.storage), page_size)
+    stack.offloader.events = HostAnnouncer(publisher, page_size)
 
 
 def page_format(host: HostPool) -> PageFormat:

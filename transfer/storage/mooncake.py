@@ -209,6 +209,8 @@ class MooncakeStorage(ClientSession, Storage):
                         c in (conn.OK, conn.EXISTS) for c in page_codes):
                     self._remove(store, keys[todo[j]])
         self._count(stored=sum(ok))
+        if self.events is not None:
+            self.events.stored([keys[todo[j]] for j, good in enumerate(ok) if good])
         return ok
 
     def _put_codes(self, codes: Sequence[int], groups: list[list[str]]) -> list[bool]:
@@ -363,6 +365,8 @@ class MooncakeStorage(ClientSession, Storage):
             raise StorageUnavailable(f"mooncake storage at {self.url} is unreachable (delete)")
         gone = any(c == conn.OK for c in codes)
         self._count(deletes=int(gone))
+        if gone and self.events is not None:
+            self.events.removed([key])
         return gone
 
     def stats(self) -> MooncakeStorageStats:
