@@ -92,15 +92,32 @@ class Metrics:
         self.storage_latency = histogram("storage_op_seconds", "Storage operation latency, by tier and op",
                                          _COPY_BUCKETS, ("tier", "op"))
         self.step_time = histogram("manager_step_seconds", "Manager time in one scheduler step", _STEP_BUCKETS)
-        self._seen: dict = {}  # (metric id, labels) -> last counter value
+        self._seen: dict = {}  # (source, metric id, labels) -> last counter value
+        self._source, self._cur = None, const
         self._lock = threading.Lock()
 
     # -- counters and gauges from the stats -----------------------------------------------------
-    def update(self, stats: NodeStats) -> None:
+    def update(self, stats: NodeStats, source: object = None, labels: dict[str, str] | None = None) -> None:
         """Set every counter and gauge from ``stats`` (counters advance by the difference since
-        the previous update; one that went backwards — a new manager — is left where it is)."""
+        the previous update of the same ``source``; one that went backwards is left where it is).
+
+        Args:
+            stats: the node's numbers now.
+            source: what ``stats`` counts, when several managers in one process share these
+                metrics (their counters add up); default: one source.
+            labels: values of the constant labels for this update (default: the constructor's).
+        """
         with self._lock:
+            self._source, self._cur = source, self._values(labels)
             self._update(stats)
+
+    def _values(self, labels: dict[str, str] | None) -> dict[str, str]:
+        if not labels:
+            return self._const
+        unknown = set(labels) - set(self._const)
+        if unknown:
+            raise ValueError(f"labels {sorted(unknown)} are not among the constant labels {sorted(self._const)}")
+        return {**self._const, **labels}
 
     def _update(self, s: NodeStats) -> None:
         m = s.manager
@@ -146,11 +163,12 @@ class Metrics:
             self._count(self.prefix_pages, p.pages_found, stage="hit")
             self._count(self.prefix_pages, p.pages_loaded, stage="loaded")
 
-    def _labels(self, metric, labels: dict):
-        return metric.labels(**self._const, **labels) if (self._const or labels) else metric
+    def _labels(self, metric, labels: dict, const: dict | None = None):
+        const = self._cur if const is None else const
+        return metric.labels(**const, **labels) if (const or labels) else metric
 
     def _count(self, metric, value: int, **labels) -> None:
-        key = (id(metric), tuple(labels.items()))
+        key = (self._source, id(metric), tuple(labels.items()))
         child = self._labels(metric, labels)  # created at 0 even before anything happened
         last = self._seen.get(key, 0)
         if value > last:
@@ -162,13 +180,14 @@ class Metrics:
         self._labels(metric, labels).set(value)
 
     # -- histograms, as things happen ------------------------------------------------------------
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, labels: dict[str, str] | None = None) -> None:
         """The manager's time in one scheduler step (its calls, summed)."""
-        self._labels(self.step_time, {}).observe(seconds)
+        self._labels(self.step_time, {}, self._values(labels)).observe(seconds)
 
-    def observer(self, tier: str) -> "_Observer":
-        """The hook object for an offloader / prefix loader over ``tier``."""
-        return _Observer(self, tier)
+    def observer(self, tier: str, labels: dict[str, str] | None = None) -> "_Observer":
+        """The hook object for an offloader / prefix loader over ``tier`` (``copy_seconds``,
+        ``storage_seconds``), with the constant labels' values ``labels``."""
+        return _Observer(self, tier, self._values(labels))
 
     def attach(self, stack) -> None:
         """Install the latency hooks on a ``transfer.build_stack`` stack's offloader and prefix
@@ -181,9 +200,9 @@ class Metrics:
 class _Observer:
     """Latency hooks bound to one tier (called from scheduler and worker threads)."""
 
-    def __init__(self, metrics: Metrics, tier: str) -> None:
-        self._copy = metrics._labels(metrics.copy_latency, {})
-        self._ops = {op: metrics._labels(metrics.storage_latency, {"tier": tier, "op": op})
+    def __init__(self, metrics: Metrics, tier: str, const: dict[str, str]) -> None:
+        self._copy = metrics._labels(metrics.copy_latency, {}, const)
+        self._ops = {op: metrics._labels(metrics.storage_latency, {"tier": tier, "op": op}, const)
                      for op in ("set", "exists", "get")}
 
     def copy_seconds(self, seconds: float) -> None:
