@@ -107,3 +107,37 @@ def test_a_decode_run_is_announced_host_then_tier_and_the_subscriber_ends_with_t
     finally:
         publisher.close()
         sub.close()
+
+
+def test_a_redis_tier_announces_writes_evictions_and_deletes_under_its_key_prefix(redis_url):
+    import redis
+
+    from transfer.storage.redis import RedisStorage
+
+    store = RedisStorage(redis_url, "_m_0_1", 64, capacity_pages=2, key_prefix="team:")
+    rec = Recorder()
+    store.events = TierAnnouncer(rec, medium_of(store), page_size=2)
+    keys = hashing.page_hashes(list(range(8)), 2)
+    try:
+        assert all(store.batch_set(keys, [_page(i) for i in range(4)]))
+        assert store.batch_set(keys[3:], [_page(3)]) == [True]       # already there: not announced
+        assert store.delete(keys[3])
+        k0, k1, k2, k3 = keys
+        assert [(e[0], e[2]) for e in rec.log] == [
+            ("stored", [k0]), ("stored", [k1]), ("stored", [k2]), ("removed", [k0]),   # LRU bound 2
+            ("stored", [k3]), ("removed", [k1]), ("removed", [k3])]                    # ... then delete
+        assert all(e[1] == EXTERNAL for e in rec.log)
+        held = set()
+        for e in rec.log:
+            (held.update if e[0] == "stored" else held.difference_update)(e[2])
+        client = redis.Redis.from_url(redis_url)
+        on_server = {k.decode()[len("team:"):len("team:") + 64] for k in client.keys("team:*_m_0_1")}
+        client.close()
+        assert held == on_server == {keys[2]}
+        assert [e[2] for e in rec.log if e[0] == "stored"] == [[k] for k in keys]
+    finally:
+        client = redis.Redis.from_url(redis_url)
+        for k in client.keys("team:*"):
+            client.delete(k)
+        client.close()
+        store.close()
