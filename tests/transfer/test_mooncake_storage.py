@@ -285,3 +285,32 @@ def test_exists_counts_the_longest_stored_prefix_and_delete_reports(store):
     assert store.delete(h[1]) is True and store.delete(h[1]) is False
     assert store.batch_exists(h) == 1
     assert store.batch_get(h[:2], [p[2].clone(), p[2].clone()]) == [True, False]
+
+
+def test_writes_and_deletes_are_announced_once(shared_store):
+    from transfer.kv_events import EXTERNAL, medium_of
+    from transfer.kv_events.announcer import TierAnnouncer
+
+    log = []
+
+    class Recorder:
+        def stored(self, medium, hashes, tokens, block_size, parent=None):
+            log.append(("stored", medium, list(hashes), list(tokens), parent))
+
+        def removed(self, medium, hashes):
+            log.append(("removed", medium, list(hashes)))
+
+    h = fresh_hashes(3)
+    pool = pages(3, seed=5)
+    shared_store.events = TierAnnouncer(Recorder(), medium_of(shared_store), page_size=PS)
+    try:
+        with shared_store.events.writing(h[:2], list(range(2 * PS)), None):
+            assert shared_store.batch_set(h[:2], [pool[0], pool[1]]) == [True, True]
+        assert shared_store.batch_set(h, [pool[0], pool[1], pool[2]]) == [True] * 3   # two already there
+        assert shared_store.delete(h[0])
+    finally:
+        shared_store.events = None
+    assert log == [("stored", EXTERNAL, [h[0]], list(range(PS)), None),
+                   ("stored", EXTERNAL, [h[1]], list(range(PS, 2 * PS)), h[0]),
+                   ("stored", EXTERNAL, [h[2]], [], None),
+                   ("removed", EXTERNAL, [h[0]])]
