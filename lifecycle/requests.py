@@ -173,4 +173,6 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
     except TokenRangeError:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
     indices = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
-    return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices, rec.offload.last_hash)
+    parent = rec.offload.last_hash   # the page before the chunk; a namespace seed is no page
+    return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices,
+                 None if parent == mgr.namespace_seed else parent)

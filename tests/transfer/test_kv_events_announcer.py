@@ -4,6 +4,7 @@ the file tier's directory as the truth."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -141,3 +142,35 @@ def test_a_redis_tier_announces_writes_evictions_and_deletes_under_its_key_prefi
             client.delete(k)
         client.close()
         store.close()
+
+
+def test_a_chunk_links_to_the_page_before_it_and_a_namespace_seed_is_no_parent():
+    from lifecycle import DecodeOffloadManager
+    from lifecycle_tools.testkit.doubles import Req
+    from transfer.kv_events.announcer import HostAnnouncer
+
+    seed = hashing.namespace_seed("adapter-x")
+    stack = build_stack(1, 1, 8, torch.float32, PS, 256, 64, 4, 64, storage="memory")
+    rec = Recorder()
+    stack.offloader.events = HostAnnouncer(rec, PS)
+    mgr = DecodeOffloadManager.from_stack(stack, namespace_seed=seed)
+    try:
+        row = stack.req_to_token_pool.alloc()
+        req = Req("r", [1, 2], row, outputs=tuple(range(10, 20)))   # prompt shorter than a page
+        slots = stack.allocator.alloc(12)
+        stack.req_to_token_pool.req_to_token[row, :12] = slots.to(torch.int32)
+        req.kv.kv_allocated_len = 12
+        req.finish()
+        if not mgr.offload_kv_cache(req):
+            mgr.finalize_release_on_finish(req)
+        deadline = time.monotonic() + 10
+        while not mgr.idle() and time.monotonic() < deadline:
+            mgr.check_offload_progress()
+            time.sleep(0.001)
+        stored = [e for e in rec.log if e[0] == "stored"]
+        chain = hashing.page_hashes([1, 2, *range(10, 16)], PS, seed)
+        assert [e[2] for e in stored] == [chain]                     # one chunk of two pages
+        assert stored[0][5] is None and stored[0][3] == [1, 2, *range(10, 16)]
+    finally:
+        mgr.shutdown()
+        stack.close()
