@@ -65,7 +65,6 @@ def stats(mgr) -> Stats:
         quarantined_slots=sum(q.slots.numel() for q in list(mgr._expired.values())),
         unsettled=len(mgr._landed) + len(mgr._stored),
         transitions=dict(mgr._by_event),
-        refusals=dict(mgr._refusals),
     )
 
 

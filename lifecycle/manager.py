@@ -265,6 +265,11 @@ class DecodeOffloadManager(CallGate):
             table.drain_dropped(self)
         return integrity.stats(self)
 
+    def refusals(self) -> dict[str, int]:
+        """Calls refused with ``InvalidTransition`` so far, by ``"TRIGGER in STATE"`` (kept apart
+        from ``stats()``, which a refused call leaves as it was)."""
+        return dict(self._refusals)
+
     def pending(self) -> integrity.Pending:
         """What the manager waits on (``lifecycle.integrity.Pending``): the idle check. It collects
         what the offloader has reported (settling nothing), so ``finished_waiting_on_settled``

@@ -125,7 +125,7 @@ class Metrics:
         self._count(self.requests, m.leaked, outcome="leaked")
         for event, n in m.transitions.items():
             self._count(self.transitions, n, event=event)
-        for reason, n in m.refusals.items():
+        for reason, n in s.refusals.items():
             self._count(self.refusals, n, reason=reason)
         self._count(self.refusals, m.host_short, reason="host_short")
         self._count(self.chunks_offloaded, m.chunks_enqueued)

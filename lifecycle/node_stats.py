@@ -32,14 +32,16 @@ class TierStats(msgspec.Struct):
 
 class NodeStats(msgspec.Struct):
     """Everything one node counts. ``page_nbytes``: bytes of one host page (0 when unknown), so
-    ``manager.pages_enqueued * page_nbytes`` is the bytes offloaded. Parts a node does not have
-    are None (a manager over an offloader that is not a ``HostOffloader``, no prefix loader)."""
+    ``manager.pages_enqueued * page_nbytes`` is the bytes offloaded. ``refusals``: the manager's
+    refused calls by ``"TRIGGER in STATE"`` (``mgr.refusals()``). Parts a node does not have are
+    None (a manager over an offloader that is not a ``HostOffloader``, no prefix loader)."""
 
     manager: Stats
     offloader: OffloaderStats | None = None
     tiers: list[TierStats] = msgspec.field(default_factory=list)
     prefix: PrefixStats | None = None
     page_nbytes: int = 0
+    refusals: dict[str, int] = msgspec.field(default_factory=dict)
 
     def to_json(self) -> bytes:
         """The struct as JSON (``msgspec.json``)."""
@@ -81,8 +83,9 @@ def collect(manager, *, offloader=None, storage=None, prefix_loader=None, page_n
         tiers.append(TierStats(tier_name(store), store.stats(), None if b is None else b.stats()))
     if not page_nbytes:
         page_nbytes = getattr(getattr(offloader, "host", None), "page_nbytes", 0) or 0
-    return NodeStats(manager.stats(), off_stats, tiers,
-                     None if prefix_loader is None else prefix_loader.stats(), page_nbytes)
+    refusals = getattr(manager, "refusals", None)
+    return NodeStats(manager.stats(), off_stats, tiers, None if prefix_loader is None else prefix_loader.stats(),
+                     page_nbytes, refusals() if callable(refusals) else {})
 
 
 def from_stack(manager, stack) -> NodeStats:

@@ -104,7 +104,6 @@ class Stats(msgspec.Struct):
     quarantined_slots: int = 0
     unsettled: int = 0  # completions reported by the offloader, not settled yet (check_offload_progress)
     transitions: dict[str, int] = msgspec.field(default_factory=dict)  # state changes by trigger
-    refusals: dict[str, int] = msgspec.field(default_factory=dict)  # refused calls by "TRIGGER in STATE"
 
 
 class RecordView(msgspec.Struct):

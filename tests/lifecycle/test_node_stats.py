@@ -48,7 +48,7 @@ def test_json_round_trip_and_builtins(tmp_path):
         assert back.tiers[0].tier == "file" and back.tiers[0].storage.stored == s.tiers[0].storage.stored
         raw = s.to_builtins()
         assert raw["tiers"][0]["storage"]["stale_indexed"] == 0       # the backend's own extra field
-        assert set(raw) == {"manager", "offloader", "tiers", "prefix", "page_nbytes"}
+        assert set(raw) == {"manager", "offloader", "tiers", "prefix", "page_nbytes", "refusals"}
     finally:
         mgr.shutdown()
         stack.close()
@@ -79,8 +79,10 @@ def test_refusals_are_counted_by_trigger_and_state(node):
     req = Req("r", range(8), row=1)
     node.mgr.offload_kv_cache(req)
     node.mgr.finalize_release_on_finish(req)           # retracted: released at once
-    assert collect(node.mgr).manager.refusals == {}
+    assert collect(node.mgr).refusals == {}
+    before = node.mgr.stats()
     for _ in range(2):
         with pytest.raises(InvalidTransition):
             node.mgr.finalize_release_on_finish(req)   # released already
-    assert collect(node.mgr).manager.refusals == {"finish in RELEASED": 2}
+    assert collect(node.mgr).refusals == node.mgr.refusals() == {"finish in RELEASED": 2}
+    assert node.mgr.stats() == before                  # a refused call leaves stats() as it was

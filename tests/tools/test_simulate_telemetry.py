@@ -110,7 +110,7 @@ def test_the_command_publishes_and_reports_what_it_published(tmp_path):
         assert report["kv_events"]["batches"] == len(sub.batches) and report["kv_events"]["queued"] == 0
         assert report["kv_events"]["stored"] >= len(_disk_pages(store)) > 0
         assert pages_held(sub.batches, "DISK") == _disk_pages(store)
-        assert set(report["stats"]) == {"manager", "offloader", "tiers", "prefix", "page_nbytes"}
+        assert set(report["stats"]) == {"manager", "offloader", "tiers", "prefix", "page_nbytes", "refusals"}
     finally:
         sub.close()
 
