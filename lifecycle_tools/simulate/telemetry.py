@@ -12,6 +12,7 @@ from __future__ import annotations
 from lifecycle_tools.simulate.errors import ConfigProblem
 
 UPDATE_S = 0.1   # the counters lag the run by at most this much (plus one step)
+REPLAY_LINGER_S = 1.0   # replays still answered this long after the end marker (with --kv-events-replay)
 
 
 class Telemetry:
@@ -45,7 +46,8 @@ class Telemetry:
         from transfer.stack import attach_events
 
         try:
-            self.publisher = KVEventPublisher(cfg.kv_events, replay_endpoint=cfg.kv_events_replay)
+            self.publisher = KVEventPublisher(cfg.kv_events, replay_endpoint=cfg.kv_events_replay,
+                                              replay_linger_s=REPLAY_LINGER_S)
         except KVEventsError as err:
             raise ConfigProblem(f"--kv-events: {err}") from None
         attach_events(stack, self.publisher)

@@ -48,6 +48,8 @@ class Subscriber:
         if seq == END:
             assert payload == b""
             self.ended = True
+            if self.replay_endpoint is not None and (self.missing() or not self.batches):
+                self.fill_from_replay(min(self.missing(), default=0))   # the publisher lingers for it
             return
         self.batches[int.from_bytes(seq, "big")] = msgspec.msgpack.decode(payload)
         if self.replay_endpoint is not None and self.missing():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import threading
 import time
 
 import pytest
-import zmq
 
 from tests.support.kv_subscriber import Subscriber, events, int64_id, pages_held
 from transfer.kv_events import CPU_PINNED, DISK, KVEventPublisher, KVEventsError, check_endpoint
@@ -25,6 +25,20 @@ def _wait(cond, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         time.sleep(0.002)
+
+
+def assert_bindable(endpoint: str, timeout_s: float = 10.0) -> None:
+    """``endpoint`` can be bound again (ZMQ releases a closed socket's bind in its I/O thread, soon
+    after ``close``: retried until then)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            KVEventPublisher(endpoint, end_marker=False).close()
+            return
+        except KVEventsError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _h(i: int) -> str:
@@ -94,8 +108,7 @@ def test_an_endpoint_in_use_is_a_typed_error_and_leaves_nothing_bound():
         port = _free_port()
         with pytest.raises(KVEventsError, match="cannot bind"):   # the replay socket fails: PUB released
             KVEventPublisher(f"tcp://127.0.0.1:{port}", replay_endpoint=first.endpoint)
-        again = KVEventPublisher(f"tcp://127.0.0.1:{port}")
-        again.close()
+        assert_bindable(f"tcp://127.0.0.1:{port}")
     finally:
         first.close()
 
@@ -115,9 +128,34 @@ def test_close_is_idempotent_and_the_socket_is_released():
     ep = pub.endpoint
     pub.close()
     pub.close()
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.PUB)
+    assert_bindable(ep)
+
+
+def test_a_subscriber_that_saw_only_the_end_replays_everything_while_the_publisher_lingers():
+    rep_ep = f"tcp://127.0.0.1:{_free_port()}"
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint=rep_ep, flush_interval_s=0.01,
+                           replay_linger_s=5.0)
+    for i in range(3):
+        pub.stored(DISK, [_h(i)], [], 4)
+    _wait(lambda: pub.stats().stored == 3)        # sent before anyone subscribed: lost to a subscriber
+    sub = Subscriber(pub.endpoint, rep_ep)
     try:
-        s.bind(ep)
+        closer = threading.Thread(target=pub.close)
+        while not sub.sub.poll(20):               # until the subscription is live (a page never stored)
+            pub.removed(DISK, [_h(99)])
+        _wait(lambda: pub.stats().queued == 0)
+        while sub.sub.poll(200):                  # drop what arrived: this subscriber "saw nothing"
+            sub.sub.recv_multipart()
+        closer.start()                            # the end marker, then 5 s of replay
+        sub.receive_until_end()
+        assert sub.missing() == [] and sorted(sub.batches) == list(range(pub.stats().batches))
+        assert pages_held(sub.batches, DISK) == {int64_id(_h(i)) for i in range(3)}
+        closer.join()
     finally:
-        s.close(linger=0)
+        pub.close()
+        sub.close()
+
+
+def test_a_negative_linger_is_refused():
+    with pytest.raises(KVEventsError, match="replay_linger_s"):
+        KVEventPublisher("tcp://127.0.0.1:0", replay_linger_s=-1)

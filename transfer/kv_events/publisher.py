@@ -72,6 +72,8 @@ class KVEventPublisher:
         buffer_steps: batches kept for replay.
         flush_interval_s: how long events wait to be batched, > 0.
         end_marker: send ``(topic, END_SEQ, b"")`` on close.
+        replay_linger_s: after the end marker, keep answering replay requests this long (a
+            subscriber that sees the end with a gap still gets the batches it missed).
     Raises:
         KVEventsError: a malformed endpoint, one that cannot be bound (in use, no permission), a
             bad interval, or pyzmq not installed (the ``events`` extra). Nothing is left bound.
@@ -79,12 +81,14 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, *, topic: str = "", replay_endpoint: str | None = None,
                  attn_dp_rank: int | None = None, buffer_steps: int = 10_000, flush_interval_s: float = 0.05,
-                 end_marker: bool = True) -> None:
+                 end_marker: bool = True, replay_linger_s: float = 0.0) -> None:
         check_endpoint(endpoint)
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint)
         if not flush_interval_s > 0:
             raise KVEventsError(f"flush_interval_s must be > 0, got {flush_interval_s!r}")
+        if not replay_linger_s >= 0:
+            raise KVEventsError(f"replay_linger_s must be >= 0, got {replay_linger_s!r}")
         try:
             import zmq
         except ImportError as err:
@@ -99,7 +103,7 @@ class KVEventPublisher:
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic, self._rank, self._end_marker = topic.encode(), attn_dp_rank, end_marker
-        self._interval = flush_interval_s
+        self._interval, self._linger = flush_interval_s, replay_linger_s
         self._queue: deque = deque()  # events from any thread (deque.append is atomic)
         self._buffer: deque = deque(maxlen=buffer_steps)
         self._seq = itertools.count()
@@ -156,7 +160,12 @@ class KVEventPublisher:
             self._flush()
             if self._end_marker:
                 self._pub.send_multipart((self._topic, END_SEQ, b""))
-            self._serve_replay()
+            until = time.monotonic() + (self._linger if self._replay is not None else 0.0)
+            while True:
+                self._serve_replay()
+                if time.monotonic() >= until:
+                    break
+                time.sleep(0.005)
         except Exception as err:  # a socket error must not kill the scheduler; it is reported once
             log.error("kv_events.publisher_failed", error=repr(err))
 
@@ -195,12 +204,13 @@ class KVEventPublisher:
             sock.send_multipart((client, b"", END_SEQ, b""))
 
     def close(self, timeout: float = 2.0) -> None:
-        """Send what is queued (then the end marker) and close the sockets, waiting at most
-        ``timeout`` seconds for the publisher thread. Idempotent."""
+        """Send what is queued (then the end marker), answer replays for ``replay_linger_s``, and
+        close the sockets, waiting at most ``timeout`` seconds (plus the linger) for the publisher
+        thread. Idempotent."""
         if self._closing.is_set():
             return
         self._closing.set()
-        self._thread.join(timeout)
+        self._thread.join(timeout + self._linger)
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=int(timeout * 1000))
