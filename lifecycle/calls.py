@@ -60,7 +60,12 @@ class CallGate:
         raise ReentrantCall("a DecodeOffloadManager call was made while another call of the same manager "
                             "is running (from a log processor or a callback?); nothing was changed")
 
+    def _count_refusal(self, trigger: str, state: str) -> None:
+        key = f"{trigger} in {state}"   # bounded: triggers x states (+ UNSEEN); the reason has numbers
+        self._refusals[key] = self._refusals.get(key, 0) + 1
+
     def _raise(self, rid, trigger: str, state: str, reason: str):
+        self._count_refusal(trigger, state)
         self._emit(self._log.info, audit.REFUSED, rid=rid, trigger=trigger, state=state, reason=reason)
         raise InvalidTransition(rid, trigger, state, reason)
 
@@ -68,6 +73,7 @@ class CallGate:
         verdict = decide(trigger, facts)
         reason = verdict.explain(facts) if isinstance(verdict, Refusal) else f"{trigger!r} not allowed"
         if self._gate is None:  # the fast path logs at once
+            self._count_refusal(trigger, rec.state.name)
             self._log.info(audit.REFUSED, rid=rec.rid, trigger=trigger, state=rec.state.name, reason=reason)
             raise InvalidTransition(rec.rid, trigger, rec.state.name, reason)
         self._raise(rec.rid, trigger, rec.state.name, reason)

@@ -62,8 +62,9 @@ def stats(mgr) -> Stats:
         host_short=mgr._host_short,
         copies_expired=mgr._copies_expired,
         copy_failures=mgr._copy_failures,
-        quarantined_slots=sum(q.slots.numel() for q in mgr._expired.values()),
+        quarantined_slots=sum(q.slots.numel() for q in list(mgr._expired.values())),
         unsettled=len(mgr._landed) + len(mgr._stored),
+        transitions=dict(mgr._by_event),
     )
 
 

@@ -91,11 +91,14 @@ class DecodeOffloadManager(CallGate):
         self._expired: dict = {}  # copies past their deadline, maybe still reading (Quarantine)
         self._poll_expired = getattr(offloader, "expired_writes", None)
         self._poll_failed = getattr(offloader, "failed_writes", None)
+        self._store_parent = getattr(offloader, "stores_parent_hash", False) is True  # KV events' parent link
         self._ack_ids = itertools.count(1)
         self._by_name = dict.fromkeys(State.__members__, 0)
         self._released = self._leaked = self._host_short = 0
         self._chunks = self._pages = self._chunks_landed = self._storage_finished = 0
         self._copies_expired = self._copy_failures = 0
+        self._by_event: dict[str, int] = {}  # state changes by trigger (work.record_transition)
+        self._refusals: dict[str, int] = {}  # refused calls by "TRIGGER in STATE" (calls._count_refusal)
         self._host_short_warned_at, self._host_short_since_warning = None, 0
         self._fire = {name: event.trigger for name, event in EVENTS.items()}
         table.OFFLOADERS.claim(offloader, self)
@@ -263,6 +266,11 @@ class DecodeOffloadManager(CallGate):
         if self._gate is None:
             table.drain_dropped(self)
         return integrity.stats(self)
+
+    def refusals(self) -> dict[str, int]:
+        """Calls refused with ``InvalidTransition`` so far, by ``"TRIGGER in STATE"`` (kept apart
+        from ``stats()``, which a refused call leaves as it was)."""
+        return dict(self._refusals)
 
     def pending(self) -> integrity.Pending:
         """What the manager waits on (``lifecycle.integrity.Pending``): the idle check. It collects

@@ -67,6 +67,7 @@ class Chunk(msgspec.Struct, gc=False):
     page_hashes: tuple
     enqueued_at: float
     indices: object = None  # the int64 device slots the copy reads (planned before the offload)
+    parent_hash: str | None = None  # the page before the chunk's first (its hash chain's parent)
 
 
 class StorageOp(msgspec.Struct, gc=False):
@@ -109,6 +110,7 @@ class Stats(msgspec.Struct):
     copy_failures: int = 0
     quarantined_slots: int = 0
     unsettled: int = 0  # completions reported by the offloader, not settled yet (check_offload_progress)
+    transitions: dict[str, int] = msgspec.field(default_factory=dict)  # state changes by trigger
 
 
 class RecordView(msgspec.Struct):

@@ -175,5 +175,7 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
     except TokenRangeError:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
     indices = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
+    parent = rec.offload.last_hash   # the page before the chunk; a namespace seed is no page
     # tuples: the collector untracks them (ints, strings), where a list stays tracked while in flight
-    return Chunk(0, req, rec, start, end, None, tuple(tokens), tuple(names), 0.0, indices)
+    return Chunk(0, req, rec, start, end, None, tuple(tokens), tuple(names), 0.0, indices,
+                 None if parent == mgr.namespace_seed else parent)

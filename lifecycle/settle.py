@@ -94,7 +94,10 @@ def on_landed(mgr, chunk: Chunk):
         return after_copy(mgr, rec, chunk.req)
     op_id = None
     try:
-        op_id = mgr.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes)
+        if mgr._store_parent:
+            op_id = mgr.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes, chunk.parent_hash)
+        else:
+            op_id = mgr.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes)
     except Exception as err:
         mgr._emit(rec.log.error, audit.CHUNK_LANDED, ack_id=chunk.ack_id, error=repr(err))
         mgr.offloader.free_host(chunk.host)

@@ -93,6 +93,8 @@ def record_transition(fire) -> None:
     by_state = mgr._by_name
     by_state[t.source] -= 1
     by_state[t.dest] += 1
+    by_event, name = mgr._by_event, fire.event.name
+    by_event[name] = by_event.get(name, 0) + 1
     if mgr._debug:
         mgr._emit(rec.log.debug, audit.TRANSITION, trigger=fire.event.name, src=t.source, dst=t.dest)
 

@@ -112,19 +112,29 @@ def _run(cfg, width: int, args, audit_file):
     from lifecycle_tools.interrupt import INTERRUPTS
     from lifecycle_tools.simulate import build, run
     from lifecycle_tools.simulate.calls import EnqueueTimer
+    from lifecycle_tools.simulate.runner import shut_down
+    from lifecycle_tools.simulate.telemetry import Telemetry
 
     if audit_file is not None:
         INTERRUPTS.before_exit(audit_file.flush)
     configure_logging(audit_file)   # before the manager exists: loggers bind config at bind time
     timer = EnqueueTimer()
     stack, mgr = build(cfg, width, timer)
+    try:
+        telemetry = Telemetry.start(cfg, stack, mgr)
+    except BaseException:
+        shut_down(mgr, stack, 0.0)
+        raise
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     bar = ProgressBar(sys.stderr) if show else None
     try:
-        return run(cfg, stack, mgr, progress=bar, enqueue_timer=timer, freeze_gc=True)
+        report = run(cfg, stack, mgr, progress=bar, enqueue_timer=timer, freeze_gc=True, telemetry=telemetry)
     finally:
         if bar is not None:
             bar.close()
+        telemetry.close()
+    report.kv_events = telemetry.events_stats()
+    return report
 
 
 def _print(report, cfg, args) -> int:

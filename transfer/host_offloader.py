@@ -97,7 +97,16 @@ class HostOffloader:
             log interval.
         DeviceMismatch (a ValueError): the copy engine cannot copy from ``kv_pool``'s device (the
             CPU engine and a CUDA pool).
+
+    Observation hooks (attributes, None by default: then they cost one attribute test per call):
+    ``observer`` (``lifecycle.metrics.Metrics`` or anything with ``copy_seconds(s)`` and
+    ``storage_seconds(op, s)``) times each copy from ``write`` to ``finished_writes`` and each
+    storage write; ``events`` (``transfer.kv_events.HostAnnouncer``) announces host pages handed
+    to ``write_storage`` and removes them at ``free_host``. The storage tier's own hook is
+    ``storage.events``; ``write_storage`` declares the pages' tokens and parent to it.
     """
+
+    stores_parent_hash = True  # write_storage takes ``parent_hash`` (the manager passes it)
 
     def __init__(
         self,
@@ -144,6 +153,10 @@ class HostOffloader:
         self._bp_unlogged = 0  # rejections since the last warning
         self._rejected_run = 0  # writes rejected since the last accepted one
         self._closed = False
+        self.observer = None
+        self.events = None
+        self._submitted: dict[int, float] = {}  # ack -> perf_counter at write (only with an observer)
+        self._host_named: dict[int, str] = {}  # host page -> page hash announced (only with events)
 
     # -- device -> host -----------------------------------------------------------------------
     def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
@@ -190,6 +203,8 @@ class HostOffloader:
             self._deadlines[ack_id] = self._clock() + self.write_timeout_s
         self._landing.update(host_pages)
         self._stats.writes += 1
+        if self.observer is not None:
+            self._submitted[ack_id] = time.perf_counter()
         return slots_of_pages(pages, self.page_size, ascending=True)
 
     def _write_on_device(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
@@ -250,6 +265,10 @@ class HostOffloader:
                 self._deadlines.pop(tag, None)
             if done.error is not None or tag in self._expired_acks or (self._discarded and tag in self._discarded):
                 self._landed_bad(tag, pages, done.error)
+            if self._submitted:
+                t = self._submitted.pop(tag, None)
+                if t is not None and self.observer is not None:
+                    self.observer.copy_seconds(time.perf_counter() - t)
             self._stats.writes_landed += 1
             out.append(tag)
         return out
@@ -322,9 +341,11 @@ class HostOffloader:
 
     # -- host -> storage ----------------------------------------------------------------------
     def write_storage(
-        self, host_indices: torch.Tensor, tokens: Sequence[int], page_hashes: Sequence[str]
+        self, host_indices: torch.Tensor, tokens: Sequence[int], page_hashes: Sequence[str],
+        parent_hash: str | None = None,
     ) -> int:
-        """See ``Offloader.write_storage``.
+        """See ``Offloader.write_storage``. ``parent_hash``: the page before the first one (for KV
+        events; None: the first page of a prompt, or unknown).
 
         Raises:
             Closed: after ``close``. BadIndices: host indices not whole pages of the pool, or a
@@ -354,10 +375,10 @@ class HostOffloader:
             def job() -> list[bool]:
                 raise StorageError("source host pages hold a failed or expired copy")
         else:
-            page_bytes = self.host.page_bytes
-
-            def job() -> list[bool]:  # the page views are made here, on the worker (torch ops)
-                return self.storage.batch_set(keys, [page_bytes(p) for p in plist])
+            job = self._storage_job(keys, plist, tokens, parent_hash)
+            if self.events is not None:
+                self.events.stored(keys, tokens, parent_hash)
+                self._host_named.update(zip(plist, keys))
         busy = self._busy
         for p in plist:
             busy[p] = busy.get(p, 0) + 1
@@ -365,6 +386,26 @@ class HostOffloader:
         self._storage_worker.submit(op, job)
         self._stats.storage_ops += 1
         return op
+
+    def _storage_job(self, keys: list[str], plist: list[int], tokens: Sequence[int], parent_hash: str | None):
+        """The storage worker's job: the page views are made there, not on the scheduler thread."""
+        store, observer, tier, page_bytes = self.storage, self.observer, self.storage.events, self.host.page_bytes
+        if observer is None and tier is None:
+            return lambda: store.batch_set(keys, [page_bytes(p) for p in plist])
+        tokens = list(tokens)
+
+        def job() -> list[bool]:
+            t = time.perf_counter()
+            try:
+                bufs = [page_bytes(p) for p in plist]
+                if tier is None:
+                    return store.batch_set(keys, bufs)
+                with tier.writing(keys, tokens, parent_hash):
+                    return store.batch_set(keys, bufs)
+            finally:
+                if observer is not None:
+                    observer.storage_seconds("set", time.perf_counter() - t)
+        return job
 
     def finished_storage(self) -> list[int]:
         """See ``Offloader.finished_storage``; failed ops are also listed by ``failed_storage``."""
@@ -413,6 +454,11 @@ class HostOffloader:
         self.host.free_pages(pages)
         if self._poisoned:
             self._poisoned.difference_update(plist)
+        if self._host_named:
+            named = self._host_named
+            gone = [named.pop(p) for p in plist if p in named]
+            if gone and self.events is not None:
+                self.events.removed(gone)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def idle(self) -> bool:

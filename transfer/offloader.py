@@ -22,6 +22,11 @@ information and change no contract of the protocol's methods:
     stored: the copy raised, or it had expired. Each at most once, and only after (or in the same
     poll as) ``finished_writes`` reported it. The caller skips ``write_storage`` for them and frees
     their host pages; if it stores them anyway the op is reported failed and nothing is written.
+
+``stores_parent_hash = True`` (a class attribute)
+    ``write_storage`` takes a fourth argument, ``parent_hash``: the page before the first one (KV
+    events link pages to it; ``docs/metrics.md``). The manager passes it only to offloaders that
+    say so.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ breaker logs one warning when the tier goes down and one line when it is back.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -42,15 +43,23 @@ log = get_logger(__name__)
 
 
 class PrefixStats(msgspec.Struct):
-    """Lookups since construction. ``failed``: the tier raised; ``timed_out``: it missed the
-    deadline; ``skipped``: the breaker was open (the tier was not asked). All three are misses."""
+    """Lookups and loads since construction. ``lookups``: existence checks; ``hits``: those that
+    found at least one page; ``pages_looked_up`` / ``pages_found``: pages asked for / found stored.
+    ``failed``: the tier raised; ``timed_out``: it missed the deadline; ``skipped``: the breaker
+    was open (the tier was not asked). All three are misses. ``loads``: loads reported by
+    ``finished``; ``pages_loaded``: pages they put in device slots; ``loads_short``: loads that got
+    fewer pages than found (a page vanished, was refused, or the read failed)."""
 
     lookups: int = 0
     hits: int = 0
+    pages_looked_up: int = 0
     pages_found: int = 0
     failed: int = 0
     timed_out: int = 0
     skipped: int = 0
+    loads: int = 0
+    pages_loaded: int = 0
+    loads_short: int = 0
 
 
 class PrefixLoad(msgspec.Struct):
@@ -104,6 +113,7 @@ class PrefixLoader:
         self._lookups: ThreadPoolExecutor | None = None
         self._stats = PrefixStats()
         self._stats_lock = threading.Lock()
+        self.observer = None  # ``storage_seconds(op, s)`` of each existence check and read (metrics)
 
     def lookup(self, tokens: Sequence[int], prior_hash: str | None = None) -> list[str]:
         """Hashes of the leading pages of ``tokens`` present in storage (no loading).
@@ -117,6 +127,7 @@ class PrefixLoader:
         n = self._exists(hashes) if hashes else 0
         with self._stats_lock:
             self._stats.lookups += 1
+            self._stats.pages_looked_up += len(hashes)
             self._stats.hits += n > 0
             self._stats.pages_found += n
         return hashes[:n]
@@ -125,6 +136,7 @@ class PrefixLoader:
         if not self.breaker.allow():
             self._count("skipped")
             return 0
+        t = time.perf_counter()
         try:
             if self._direct:
                 n = self.storage.batch_exists(hashes)
@@ -138,6 +150,9 @@ class PrefixLoader:
             self._count("failed")
             self.breaker.failure(err)
             return 0
+        finally:
+            if self.observer is not None:
+                self.observer.storage_seconds("exists", time.perf_counter() - t)
         self.breaker.success()
         return n
 
@@ -198,7 +213,12 @@ class PrefixLoader:
     def _load(self, hashes: list[str], slots: torch.Tensor, host_pages: torch.Tensor,
               ready: "torch.cuda.Event | None") -> tuple[int, "torch.cuda.Event | None"]:
         bufs = [self.host.page_bytes(p) for p in host_pages.tolist()]
-        got = self.storage.batch_get(hashes, bufs)
+        t = time.perf_counter()
+        try:
+            got = self.storage.batch_get(hashes, bufs)
+        finally:
+            if self.observer is not None:
+                self.observer.storage_seconds("get", time.perf_counter() - t)
         n = got.index(False) if False in got else len(got)
         if n == 0:
             return 0, None
@@ -236,6 +256,10 @@ class PrefixLoader:
             error = repr(done.error) if done.error is not None else (
                 None if n == len(p.hashes) else f"{len(p.hashes) - n} pages could not be read")
             out.append(PrefixLoad(done.tag, n, p.slots[:keep], p.hashes[:n], error))
+            with self._stats_lock:
+                self._stats.loads += 1
+                self._stats.pages_loaded += n
+                self._stats.loads_short += n < len(p.hashes)
         return out
 
     def idle(self) -> bool:

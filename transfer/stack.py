@@ -95,6 +95,7 @@ def build_stack(
     lookup_timeout_s: float | None = 0.05,
     backend_tag: str | None = None,
     host_layout: str = HOST_LAYOUT,
+    kv_events=None,
 ) -> TransferStack:
     """Build a stack.
 
@@ -118,6 +119,9 @@ def build_stack(
         storage_ttl_s: page expiry for a Redis backend (None: never).
         storage_require_checksum: strict mode: a stored page without a seal is a miss.
         lookup_timeout_s: the prefix loader's deadline on a storage lookup (``PrefixLoader``).
+        kv_events: a ``transfer.kv_events.KVEventPublisher`` (or None): pages handed from the host
+            pool to storage are announced ``CPU_PINNED`` and the tier's writes and removals with
+            the tier's medium (``attach_events``).
     A built backend seals every page with its format: the stored layout, the KV dtype and the
     page shape in that layout (``page_format(...)`` for ``page_first``).
     Raises:
@@ -137,7 +141,7 @@ def build_stack(
                              capacity_bytes=storage_capacity_bytes, ttl_s=storage_ttl_s,
                              page_format=page_format(host), require_checksum=storage_require_checksum)
     allocator = PagedTokenAllocator(device_tokens, page_size)
-    return TransferStack(
+    stack = TransferStack(
         kv_pool=kv,
         allocator=allocator,
         req_to_token_pool=ReqToTokenPool(rows, max_len, device=device),
@@ -147,6 +151,20 @@ def build_stack(
         prefix_loader=PrefixLoader(kv, allocator, host, store, lookup_timeout_s=lookup_timeout_s),
         identity=identity,
     )
+    if kv_events is not None:
+        attach_events(stack, kv_events)
+    return stack
+
+
+def attach_events(stack: TransferStack, publisher) -> None:
+    """Announce the stack's pages on ``publisher``: the storage tier's writes and removals
+    (``storage.events``, medium from ``kv_events.medium_of``) and the host pages handed to storage
+    (``offloader.events``, ``CPU_PINNED``)."""
+    from transfer.kv_events.announcer import HostAnnouncer, TierAnnouncer, medium_of
+
+    page_size = stack.host_pool.page_size
+    stack.storage.events = TierAnnouncer(publisher, medium_of(stack.storage), page_size)
+    stack.offloader.events = HostAnnouncer(publisher, page_size)
 
 
 def page_format(host: HostPool) -> PageFormat:

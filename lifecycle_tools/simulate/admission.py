@@ -129,15 +129,21 @@ class Admission:
         if self.backups_pending >= MAX_BACKUPS:
             ps.rep.prefill_backup_failures += 1
             return
-        keys = hashing.page_hashes(req.seq[: last * self.ps], self.ps)
-        kvids, storage, kv = req.kvids, self.storage, self.kv
+        tokens = req.seq[: last * self.ps]
+        keys = hashing.page_hashes(tokens, self.ps)
+        kvids, storage, kv, ps_ = req.kvids, self.storage, self.kv, self.ps
 
         def job() -> int:
             start = max(first, storage.batch_exists(keys))
             if start >= last:
                 return 0
-            pages = kv.page_bytes(kvids, start * self.ps, last - start)
-            return sum(storage.batch_set(keys[start:last], [pages[i] for i in range(last - start)]))
+            pages = kv.page_bytes(kvids, start * ps_, last - start)
+            put = keys[start:last]
+            if storage.events is None:
+                return sum(storage.batch_set(put, [pages[i] for i in range(last - start)]))
+            # the prefill node's pages: announced with their tokens and chain parent (KV events)
+            with storage.events.writing(put, tokens[start * ps_:last * ps_], keys[start - 1] if start else None):
+                return sum(storage.batch_set(put, [pages[i] for i in range(last - start)]))
 
         self.backups_pending += 1
         self._backup.submit(req.rid, job)

@@ -19,6 +19,7 @@ from lifecycle_tools.simulate.dist import parse_dist
 from lifecycle_tools.simulate.errors import ConfigProblem
 
 MODEL, POOLS, WORKLOAD, STORAGE = "model shape", "pools and offload", "workload", "storage, reuse and checks"
+OBSERVE = "metrics and KV events"
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,14 @@ OPTIONS: tuple[Option, ...] = (
            "tier is a miss (and trips its circuit breaker)", STORAGE),
     Option("verify", "128", k.verify, "stored pages read back and compared: N (a sample), all or none",
            STORAGE),
+    Option("metrics_port", None, k.integer(1, 65535, optional=True), "serve Prometheus metrics on "
+           "http://HOST:PORT/metrics during the run (see docs/metrics.md)", OBSERVE),
+    Option("metrics_host", "127.0.0.1", k.host, "address --metrics-port binds (0.0.0.0: every interface)",
+           OBSERVE),
+    Option("kv_events", None, k.zmq_endpoint, "publish KV events (BlockStored / BlockRemoved, SGLang's wire "
+           "format) on this ZMQ endpoint, bound by the run, e.g. tcp://127.0.0.1:5557", OBSERVE),
+    Option("kv_events_replay", None, k.zmq_endpoint, "a ZMQ ROUTER endpoint, bound by the run, from which a "
+           "subscriber replays missed event batches (needs --kv-events)", OBSERVE),
     Option("prefill_budget", 2048, k.integer(1), "prompt tokens computed per step at most", cli=None),
     Option("drain_timeout_s", 60.0, k.seconds, "seconds to wait for copies at the end of a pass", cli=None),
 )
@@ -165,6 +174,10 @@ def _check_combinations(cfg) -> None:
         raise ConfigProblem(f"--host-tokens {cfg.host_tokens} cannot hold one offload chunk of {stride} tokens")
     if cfg.abort_frac + cfg.retract_frac > 1.0:
         raise ConfigProblem("--abort-frac + --retract-frac must not exceed 1")
+    if cfg.kv_events_replay is not None and cfg.kv_events is None:
+        raise ConfigProblem("--kv-events-replay needs --kv-events")
+    if cfg.kv_events is not None and cfg.kv_events == cfg.kv_events_replay:
+        raise ConfigProblem(f"--kv-events and --kv-events-replay both name {cfg.kv_events!r}")
 
 
 def _check_storage(cfg) -> None:

@@ -155,3 +155,29 @@ def writable_dir(path: str, flag: str) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigProblem(f"{flag} {path!r} cannot be created (no write access to {parent!r})")
+
+
+def zmq_endpoint(value, flag: str):
+    """A ZMQ endpoint a publisher can bind (``transfer.kv_events.check_endpoint``), or None."""
+    if value is None:
+        return None
+    from transfer.kv_events.publisher import KVEventsError, check_endpoint
+
+    try:
+        return check_endpoint(value)
+    except KVEventsError as err:
+        raise ConfigProblem(f"{flag}: {err}") from None
+
+
+zmq_endpoint.kind = "ENDPOINT"
+
+
+def host(value, flag: str) -> str:
+    """An address to bind: an IPv4/IPv6 address or a host name (no spaces, no port)."""
+    v = text(value, flag)
+    if v is None or any(c.isspace() for c in v) or "/" in v:
+        raise ConfigProblem(f"{flag} needs an address such as 127.0.0.1 or 0.0.0.0, got {value!r}")
+    return v
+
+
+host.kind = "ADDR"

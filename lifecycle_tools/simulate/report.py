@@ -168,6 +168,8 @@ class RunReport:
     wall_s: float
     shutdown: str = ""      # what the bounded shutdown abandoned ("": nothing); a note, not a failure:
     #                         abandoned copies keep their slots, so nothing is freed under them
+    stats: dict | None = None      # lifecycle.node_stats.NodeStats at the end (docs/metrics.md)
+    kv_events: dict | None = None  # what --kv-events published (KVEventStats), None without it
 
     @property
     def problems(self) -> list[str]:
@@ -185,7 +187,8 @@ class RunReport:
     def to_dict(self) -> dict:
         return {"ok": self.ok, "problems": self.problems, "wall_s": round(self.wall_s, 3),
                 "config": self.config, "storage": self.storage, "shutdown": self.shutdown,
-                "passes": [dataclasses.asdict(p) for p in self.passes]}
+                "passes": [dataclasses.asdict(p) for p in self.passes], "stats": self.stats,
+                "kv_events": self.kv_events}
 
 
 def _mib(n: int) -> str:

@@ -61,19 +61,21 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
-def run(cfg, stack, mgr, progress=None, enqueue_timer=None, freeze_gc: bool = False) -> RunReport:
+def run(cfg, stack, mgr, progress=None, enqueue_timer=None, freeze_gc: bool = False, telemetry=None) -> RunReport:
     """Serve the workload (twice with ``cfg.warm``: the second pass under new request ids hits the
-    store), then shut the manager and stack down (bounded).
+    store), then shut the manager and stack down (bounded). ``telemetry`` (a started
+    ``telemetry.Telemetry``) sees every step and gets the final ``NodeStats``.
 
     With ``freeze_gc`` (what ``kv-lifecycle simulate`` does), once everything is built and warm
     (imports, pools, stack, manager, scheduler) the heap is collected once and frozen
     (``gc.freeze()``), so the cycle collector's full collections during the run walk only what the
     run allocates, not torch's ~170k objects (docs/integration.md); unfrozen when the run ends.
     """
+    from lifecycle.node_stats import from_stack
     from lifecycle_tools.simulate.scheduler import Simulator
 
     t0 = time.perf_counter()
-    sim = Simulator(cfg, stack, mgr, progress, enqueue_timer)
+    sim = Simulator(cfg, stack, mgr, progress, enqueue_timer, None if telemetry is None else telemetry.on_step)
     if freeze_gc:
         gc.collect()
         gc.freeze()
@@ -90,9 +92,13 @@ def run(cfg, stack, mgr, progress=None, enqueue_timer=None, freeze_gc: bool = Fa
         if not clean:   # interrupted or failed: abandon what is in flight, in bounded time
             shut_down(mgr, stack, 0.0)
     note = shut_down(mgr, stack, cfg.drain_timeout_s)
-    st = stack.storage.stats()
+    final = from_stack(mgr, stack)   # one NodeStats: the report, --json and the metrics
+    if telemetry is not None:
+        telemetry.finish(final)
+    st = final.tiers[0].storage
     storage = {"spec": cfg.storage_spec, **{f: getattr(st, f) for f in st.__struct_fields__}}
-    return RunReport(dataclasses.asdict(cfg), passes, storage, time.perf_counter() - t0, note)
+    return RunReport(dataclasses.asdict(cfg), passes, storage, time.perf_counter() - t0, note,
+                     stats=final.to_builtins())
 
 
 def shut_down(mgr, stack, drain_s: float) -> str:

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 
 import torch
 
+from lifecycle.node_stats import from_stack
 from lifecycle.states import State
 from lifecycle_tools import interrupt
 from lifecycle_tools.simulate.admission import Admission
@@ -55,10 +56,13 @@ class Simulator:
         mgr: the ``DecodeOffloadManager`` over ``stack``.
         progress: optional callback taking a ``Progress`` (about every 0.1 s).
         enqueue_timer: the ``EnqueueTimer`` installed on the stack's offloader, if any.
+        on_step: optional callback taking the manager's time in each step, in seconds (metrics).
     """
 
-    def __init__(self, cfg, stack, mgr, progress=None, enqueue_timer: EnqueueTimer | None = None) -> None:
+    def __init__(self, cfg, stack, mgr, progress=None, enqueue_timer: EnqueueTimer | None = None,
+                 on_step=None) -> None:
         self.cfg, self.stack, self.mgr, self.progress = cfg, stack, mgr, progress
+        self.on_step = on_step  # called after each step with the manager's time in it (seconds)
         self.ps, self.spec = cfg.page_size, cfg.spec_tokens
         self.rows = stack.req_to_token_pool
         self.kv = SyntheticKV(stack.kv_pool, self.rows, self.ps)
@@ -89,8 +93,7 @@ class Simulator:
         self._rng.seed(self.cfg.seed * 7919 + 17)
         ps = PassState(rep, iter(chats), total, PageSample(self.cfg.verify, self.cfg.seed, self.ps),
                        max_waiting=max(64, 4 * self.max_running))
-        ps.before = (self.mgr.stats(), self.stack.offloader.stats(), self.stack.storage.stats(),
-                     self.stack.prefix_loader.stats())
+        ps.before = from_stack(self.mgr, self.stack)
         t0 = time.perf_counter()
         while ps.done < total:
             interrupt.check()
@@ -119,6 +122,8 @@ class Simulator:
             self._decode(ps)
             ps.running = [req for req in batch if self._after_decode(req, ps)]
         ps.overhead_us.append(self.calls.step_ns / 1000.0)
+        if self.on_step is not None:
+            self.on_step(self.calls.step_ns / 1e9)
         if not ps.busy():
             nxt = ps.next_arrival()          # idle: jump the clock to the next arrival
             if nxt is not None:
@@ -244,7 +249,7 @@ class Simulator:
         ps.draining.clear()
         gc.collect()
         s = self.mgr.stats()
-        rep.manager_leaked = s.leaked - ps.before[0].leaked
+        rep.manager_leaked = s.leaked - ps.before.manager.leaked
         rep.manager_unreleased = s.tracked
         try:
             self.stack.allocator.check_integrity()

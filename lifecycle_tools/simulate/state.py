@@ -63,7 +63,7 @@ class PassState:
     prefill: int = 0                         # prompt tokens computed this step
     done: int = 0
     step: int = 0
-    before: tuple = ()                       # (manager, offloader, storage, prefix) stats at the start
+    before: object = None                    # lifecycle.node_stats.NodeStats at the start of the pass
     max_waiting: int = 256                   # new chats are held upstream while this many wait
     _seq: Iterator[int] = field(default_factory=itertools.count)
 

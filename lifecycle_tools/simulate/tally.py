@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lifecycle.node_stats import from_stack
 from lifecycle_tools.simulate.calls import EnqueueTimer
 from lifecycle_tools.simulate.report import PassReport
 from lifecycle_tools.simulate.state import PassState
@@ -9,15 +10,16 @@ from lifecycle_tools.stats import percentile
 
 
 def tally_pass(rep: PassReport, ps: PassState, mgr, stack, enqueue: EnqueueTimer) -> None:
-    """Fill ``rep``'s offload, storage, rate and timing figures (``ps.before`` holds the counters
-    taken when the pass began)."""
-    mgr0, off0, sto0, pre0 = ps.before
-    s, off, sto, pre = mgr.stats(), stack.offloader.stats(), stack.storage.stats(), stack.prefix_loader.stats()
+    """Fill ``rep``'s offload, storage, rate and timing figures (``ps.before`` holds the
+    ``NodeStats`` taken when the pass began)."""
+    b, now = ps.before, from_stack(mgr, stack)   # lifecycle.node_stats.NodeStats: the numbers the metrics show
+    mgr0, off0, sto0, pre0 = b.manager, b.offloader, b.tiers[0].storage, b.prefix
+    s, off, sto, pre = now.manager, now.offloader, now.tiers[0].storage, now.prefix
     rep.chunks_offloaded = s.chunks_enqueued - mgr0.chunks_enqueued
     rep.chunks_landed = s.chunks_landed - mgr0.chunks_landed
     rep.chunks_failed = (s.copy_failures - mgr0.copy_failures) + (s.copies_expired - mgr0.copies_expired)
     rep.pages_offloaded = s.pages_enqueued - mgr0.pages_enqueued
-    rep.bytes_offloaded = rep.pages_offloaded * stack.host_pool.page_nbytes
+    rep.bytes_offloaded = rep.pages_offloaded * now.page_nbytes
     wall = rep.wall_s or float("inf")
     rep.offload_mib_s = rep.bytes_offloaded / 2**20 / wall
     rep.requests_per_s = rep.requests / wall

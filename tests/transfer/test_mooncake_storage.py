@@ -433,3 +433,32 @@ def test_setup_noise_is_dropped_and_every_other_stderr_line_kept():
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == b"E1201 18:28:09.000001  8881 real_client.cpp:77] Failed to connect to master\nafter\n"
+
+
+def test_writes_and_deletes_are_announced_once(shared_store):
+    from transfer.kv_events import EXTERNAL, medium_of
+    from transfer.kv_events.announcer import TierAnnouncer
+
+    log = []
+
+    class Recorder:
+        def stored(self, medium, hashes, tokens, block_size, parent=None):
+            log.append(("stored", medium, list(hashes), list(tokens), parent))
+
+        def removed(self, medium, hashes):
+            log.append(("removed", medium, list(hashes)))
+
+    h = fresh_hashes(3)
+    pool = pages(3, seed=5)
+    shared_store.events = TierAnnouncer(Recorder(), medium_of(shared_store), page_size=PS)
+    try:
+        with shared_store.events.writing(h[:2], list(range(2 * PS)), None):
+            assert shared_store.batch_set(h[:2], [pool[0], pool[1]]) == [True, True]
+        assert shared_store.batch_set(h, [pool[0], pool[1], pool[2]]) == [True] * 3   # two already there
+        assert shared_store.delete(h[0])
+    finally:
+        shared_store.events = None
+    assert log == [("stored", EXTERNAL, [h[0]], list(range(PS)), None),
+                   ("stored", EXTERNAL, [h[1]], list(range(PS, 2 * PS)), h[0]),
+                   ("stored", EXTERNAL, [h[2]], [], None),
+                   ("removed", EXTERNAL, [h[0]])]

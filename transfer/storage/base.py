@@ -68,6 +68,9 @@ class Storage(ABC):
     suffix: str
     page_nbytes: int | None
     page_format: PageFormat | None = None
+    # KV-event hook (``transfer.kv_events.TierAnnouncer``): told of every page this store writes
+    # (``stored``) and evicts or deletes (``removed``), by page hash, in order. None: no events.
+    events = None
 
     @abstractmethod
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
@@ -218,13 +221,17 @@ class IndexedStorage(Storage):
             setattr(self._stats, field, getattr(self._stats, field) + n)
 
     def _evict(self, names: list[str]) -> None:
+        gone = []
         for name in names:
             try:
                 self._remove(name)
+                gone.append(name[:64])
             except OSError as err:
                 self._oplog.warning("storage.evict_failed", name=name, error=str(err))
         if names:
             self._count("evictions", len(names))
+        if gone and self.events is not None:
+            self.events.removed(gone)
 
     def batch_set(self, keys: Sequence[str], pages: Sequence[torch.Tensor]) -> list[bool]:
         self._check(keys, pages)
@@ -250,6 +257,8 @@ class IndexedStorage(Storage):
             with self._lock:
                 evicted = self._index.add(name, _nbytes(page))
                 self._stats.stored += 1
+            if self.events is not None:
+                self.events.stored([name[:64]])
             self._evict(evicted)
             results[i] = True
         return results
@@ -284,7 +293,8 @@ class IndexedStorage(Storage):
         self._oplog.error("storage.page_refused", name=name, verdict=verdict.value)
         if verdict is Verdict.CORRUPT:  # a later write can repair it; batch_exists won't re-adopt it
             try:
-                self._remove(name)
+                if self._remove(name) and self.events is not None:
+                    self.events.removed([name[:64]])
             except OSError:
                 pass
         return False
@@ -356,6 +366,8 @@ class IndexedStorage(Storage):
             return False
         if removed:
             self._count("deletes")
+            if self.events is not None:
+                self.events.removed([key])
         return removed
 
     def stats(self) -> StorageStats:

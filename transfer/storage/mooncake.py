@@ -248,6 +248,8 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
                 if not ok[j] and group_codes[-1] not in (conn.OK, conn.EXISTS):
                     self._remove_created(store, group[:-1], group_codes[:-1], existed[todo[j]])
         self._count(stored=sum(ok))
+        if self.events is not None:
+            self.events.stored([keys[todo[j]] for j, good in enumerate(ok) if good])
         return ok
 
     def _put_codes(self, codes: Sequence[int], groups: list[list[str]]) -> list[bool]:
@@ -394,6 +396,8 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
             raise StorageUnavailable(f"mooncake storage at {self.url} is unreachable (delete)")
         gone = any(c == conn.OK for c in codes)
         self._count(deletes=int(gone))
+        if gone and self.events is not None:
+            self.events.removed([key])
         return gone
 
     def stats(self) -> MooncakeStorageStats:

@@ -226,6 +226,10 @@ class RedisStorage(RedisReads, Storage):
             self._run(lambda p: p.delete(*names), "evict")
         except StorageUnavailable as err:
             self._oplog.warning("redis_storage.evict_failed", names=len(names), error=str(err))
+        else:
+            if self.events is not None:
+                cut = len(self.key_prefix)
+                self.events.removed([x[cut:cut + 64] for x in names])
         self._count("evictions", len(names))
 
     def _format(self, page: torch.Tensor) -> PageFormat:
@@ -298,6 +302,8 @@ class RedisStorage(RedisReads, Storage):
                     self._stats.stored += 1
                     self._stats.repaired += reply == "repaired"
                 evicted = self._index.add(name, sizes[i])
+            if reply != "skipped" and self.events is not None:
+                self.events.stored([name[len(self.key_prefix):len(self.key_prefix) + 64]])
             self._evict(evicted)
             results[i] = True
         return True
@@ -337,6 +343,8 @@ class RedisStorage(RedisReads, Storage):
             self._index.remove(name)
             if count:
                 self._stats.deletes += 1
+        if count and self.events is not None:
+            self.events.removed([key])
         return bool(count)
 
     def stats(self) -> RedisStorageStats:

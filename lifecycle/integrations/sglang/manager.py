@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import weakref
 
+from lifecycle.integrations.sglang import metrics as sglang_metrics
 from lifecycle.integrations.sglang import runtime
 from lifecycle.integrations.sglang.audit_trail import close_audit_trail, open_audit_trail
 from lifecycle.integrations.sglang.config import OffloadConfig, read_config
@@ -68,7 +69,8 @@ class DecodeKVCacheOffloadManager:
     """
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, tp_group, tree_cache) -> None:
-        config = read_config(runtime.current())
+        context = runtime.current()
+        config = read_config(context)
         get_kvcache = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
         if not callable(get_kvcache):
             raise SGLangConfigError("token_to_kv_pool_allocator has no get_kvcache()")
@@ -108,6 +110,7 @@ class DecodeKVCacheOffloadManager:
         self._released_host = False
         self._released_by_sglang: weakref.WeakSet = weakref.WeakSet()  # to readmit when back with a row
         self.audit_path = None if audit is None else audit.path
+        self.metrics = sglang_metrics.hook(self, context, tp_rank, config.pp_rank)  # --enable-metrics only
         _ACTIVE.add(self)
         log.info("sglang.decode_offload_enabled", page_size=config.page_size, stride=config.offload_stride,
                  backend=config.storage_backend, storage_dir=config.storage_dir, suffix=storage.suffix,
@@ -216,6 +219,8 @@ class DecodeKVCacheOffloadManager:
         stats = self.manager.stats()
         self.manager.shutdown(force=True)
         self.storage.close()
+        if self.metrics is not None:
+            self.metrics.tick(force=True)
         if self.offloader.idle():  # no copy can still write into the host pool: unpin it
             self.decode_host_mem_pool.close()
         log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
