@@ -138,6 +138,15 @@ class LayoutStorage(Storage):
         """The inner tier's circuit breaker (None when it has none)."""
         return getattr(self.inner, "breaker", None)
 
+    @property
+    def events(self):
+        """The inner tier's KV-event hook: it writes and evicts, so it announces (see ``Storage``)."""
+        return self.inner.events
+
+    @events.setter
+    def events(self, hook) -> None:
+        self.inner.events = hook
+
     def _staging(self) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
         if buf is None:
