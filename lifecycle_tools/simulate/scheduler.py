@@ -104,7 +104,7 @@ class Simulator:
         tally_pass(rep, ps, self.mgr, self.stack, self.enqueue_timer)
         self._count_leaks(ps)
         verify_sample(ps.sample, self.stack.storage, self.stack.host_pool, self.kv, rep)
-        integrity_of_pass(rep, ps.before[2], self.stack.storage.stats())
+        integrity_of_pass(rep, ps.before.tiers[0].storage, self.stack.storage.stats())
         return rep
 
     # -- one iteration of the loop --------------------------------------------------------------
