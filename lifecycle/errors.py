@@ -59,3 +59,9 @@ class IntegrityError(LifecycleError):
 
 class ManagerClosed(LifecycleError):
     """A call after ``shutdown``."""
+
+
+class InvalidSlots(InvalidRequest):
+    """A plan's device slot ids cannot be right: a negative (never written) or repeated id, an id a
+    copy in flight still reads, or one the allocator does not hold. Names the request, its row, the
+    slot and the token ranges; raised before anything changes (``lifecycle.slots``)."""

@@ -131,5 +131,8 @@ def check_integrity(mgr) -> None:
         problems.append(f"{len(per_rec)} in-flight chunks belong to no live record")
     if counts != mgr._by_name:
         problems.append(f"state counters {mgr._by_name} disagree with records {counts}")
+    reads = sum(c.indices.numel() for c in mgr._ongoing.values()) + sum(q.slots.numel() for q in mgr._expired.values())
+    if mgr._reading.total() != reads:
+        problems.append(f"{mgr._reading.total()} slot reads counted, but copies in flight read {reads} slots")
     if problems:
         raise IntegrityError("; ".join(problems))

@@ -24,6 +24,7 @@ from lifecycle.log import get_logger
 from lifecycle.machine import EVENTS
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release
+from lifecycle.slots import SlotsInFlight
 from lifecycle.requests import check_shape, initial_progress, plan_chunk, read_request
 from lifecycle.states import Facts, Refusal, State, decide
 
@@ -87,6 +88,7 @@ class DecodeOffloadManager(CallGate):
         self._stored: set[int] = set()
         self._failed: set[int] = set()   # landed acks whose copy failed (never stored)
         self._expired: dict = {}  # copies past their deadline, maybe still reading (Quarantine)
+        self._reading = SlotsInFlight()  # per device slot: copies (expired ones too) still reading it
         self._poll_expired = getattr(offloader, "expired_writes", None)
         self._poll_failed = getattr(offloader, "failed_writes", None)
         self._ack_ids = itertools.count(1)
