@@ -57,6 +57,11 @@ class IntegrityError(LifecycleError):
     """The manager's tables disagree; raised by ``check_integrity``."""
 
 
+class InvalidArgument(LifecycleError, ValueError):
+    """A call's argument is outside its domain (a ``shutdown`` timeout that is not a finite number
+    >= 0, a ``force`` that is not a bool); refused before anything changes."""
+
+
 class ManagerClosed(LifecycleError):
     """A call after ``shutdown``."""
 

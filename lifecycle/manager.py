@@ -310,6 +310,8 @@ class DecodeOffloadManager(CallGate):
         Returns:
             What was pending when the manager closed.
         Raises:
+            InvalidArgument: ``timeout_s`` not a finite number >= 0 or ``force`` not a bool; raised
+                before anything changes (the manager stays open, the offloader untouched).
             LifecycleError: work is pending (unless ``force``); names it. Nothing closed.
             ReentrantCall: called from inside another call.
         """
