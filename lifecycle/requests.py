@@ -181,5 +181,5 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
     except TokenRangeError:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
     indices, ids = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
-    check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", allocator=True)
+    check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", indices=indices)
     return Chunk(0, req, rec, start, end, None, tokens, names, 0.0, indices)

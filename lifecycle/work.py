@@ -41,7 +41,7 @@ def commit_chunk(fire) -> None:
     ``inc_len`` and ``last_hash``."""
     mgr, rec, chunk = fire.kwargs["mgr"], fire.model, fire.kwargs["chunk"]
     mgr._ongoing[chunk.ack_id] = chunk
-    mgr._reading.add(chunk.indices)
+    mgr._reading.add(chunk.ack_id, chunk.indices)
     rec.inflight += 1
     rec.offload.inc_len += chunk.end - chunk.start
     rec.offload.last_hash = chunk.page_hashes[-1]
