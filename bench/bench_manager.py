@@ -162,9 +162,17 @@ def fast_path_us(n=200_000, make=_lifecycle):
     return (CLOCK() - t0) / n * 1e6
 
 
-def per_chunk_us(n=20_000, make=_lifecycle):
-    """Time of an offload call that enqueues one chunk plus its landing and storage settle."""
+def per_chunk_us(n=20_000, make=_lifecycle, real_allocator=False):
+    """Time of an offload call that enqueues one chunk plus its landing and storage settle.
+
+    ``real_allocator``: the row lists slots of a ``transfer.PagedTokenAllocator`` (which has
+    ``check_free``, so the chunk's slot check also asks it) instead of the bench's double."""
     pool, alloc, off = Pool(1, 16 * n + 64), Allocator(), Offloader()
+    if real_allocator:
+        from transfer import PagedTokenAllocator
+
+        alloc = PagedTokenAllocator(16 * n + 64, 16)
+        pool.req_to_token[0] = alloc.alloc(16 * n + 64).to(torch.int32)
     mgr = make(pool, alloc, 16, off)
     req = Req("r", list(range(16)), 0)
     mgr.offload_kv_cache(req)
@@ -287,6 +295,7 @@ def against(args) -> None:
     versions = {"this tree": None, f"{args.against}": str(Path(args.against).resolve())}
     ratios = {v: [] for v in versions}
     totals = {v: [] for v in versions}
+    chunks = {v: ([], []) for v in versions}
     cmd = [sys.executable, __file__, "--worker", "--clock", args.clock, "--requests", str(args.requests),
            "--prompt", str(args.prompt), "--steps", str(args.steps), "--page", str(args.page)]
     for i in range(args.repeats):
@@ -301,6 +310,8 @@ def against(args) -> None:
             assert got.pop("from").startswith(versions[v] or str(Path(__file__).resolve().parent.parent)), got
             ratios[v].append(got["lifecycle (transitions)"] / got["plain dict"])
             totals[v].append(got["lifecycle (transitions)"])
+            chunks[v][0].append(got["chunk_us"])
+            chunks[v][1].append(got["chunk_real_allocator_us"])
     print(f"workload: {args.requests} requests x {args.prompt}-token prompts x {args.steps} steps, page "
           f"{args.page}; {args.repeats} interleaved fresh-process runs per version; {args.clock} clock")
     print(f"{'lifecycle version':26} {'median ms':>9} {'median vs plain dict':>21} {'min':>6} {'max':>6}")
@@ -308,6 +319,9 @@ def against(args) -> None:
         r = ratios[v]
         print(f"{v:26} {statistics.median(totals[v]) * 1e3:9.1f} {statistics.median(r):20.2f}x "
               f"{min(r):5.2f}x {max(r):5.2f}x")
+    print(f"{'one chunk (offload + land + store settle), us':46} {'bench allocator':>15} {'PagedTokenAllocator':>20}")
+    for v in versions:
+        print(f"{v:46} {statistics.median(chunks[v][0]):15.2f} {statistics.median(chunks[v][1]):20.2f}")
 
 
 def worker(args) -> None:
@@ -318,6 +332,9 @@ def worker(args) -> None:
     for name, make in IMPLS.items():
         gc.collect()
         got[name], _ = workload(make, args.requests, args.prompt, args.steps, args.page)
+    gc.collect()
+    got["chunk_us"] = per_chunk_us(n=10_000)
+    got["chunk_real_allocator_us"] = per_chunk_us(n=10_000, real_allocator=True)
     import lifecycle
 
     got["from"] = str(Path(lifecycle.__file__).resolve())

@@ -8,9 +8,10 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 
 from lifecycle import audit, integrity, settle
-from lifecycle.errors import InvalidTransition, LifecycleError, ManagerClosed, ReentrantCall
+from lifecycle.errors import InvalidArgument, InvalidTransition, LifecycleError, ManagerClosed, ReentrantCall
 from lifecycle.records import Record
 from lifecycle.states import Facts, Refusal, decide
 
@@ -91,7 +92,15 @@ class CallGate:
 
 
 def shutdown(mgr, force: bool, timeout_s: float):
-    """``DecodeOffloadManager.shutdown``: refuse or abandon what is pending, close in bounded time."""
+    """``DecodeOffloadManager.shutdown``: refuse or abandon what is pending, close in bounded time.
+    The arguments are checked first: a bad one raises ``InvalidArgument`` with the manager open and
+    the offloader untouched, so a corrected call works."""
+    if not isinstance(force, bool):
+        raise InvalidArgument(f"shutdown: force must be True or False, got {force!r}; nothing was closed")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not 0 <= timeout_s < math.inf):
+        raise InvalidArgument(
+            f"shutdown: timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}; nothing was closed")
     if mgr._gate == CLOSED:
         return integrity.pending(mgr)
     mgr._enter()

@@ -57,5 +57,16 @@ class IntegrityError(LifecycleError):
     """The manager's tables disagree; raised by ``check_integrity``."""
 
 
+class InvalidArgument(LifecycleError, ValueError):
+    """A call's argument is outside its domain (a ``shutdown`` timeout that is not a finite number
+    >= 0, a ``force`` that is not a bool); refused before anything changes."""
+
+
 class ManagerClosed(LifecycleError):
     """A call after ``shutdown``."""
+
+
+class InvalidSlots(InvalidRequest):
+    """A plan's device slot ids cannot be right: a negative (never written) or repeated id, an id a
+    copy in flight still reads, or one the allocator does not hold. Names the request, its row, the
+    slot and the token ranges; raised before anything changes (``lifecycle.slots``)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from transfer.indices import on_host
 from lifecycle.errors import IntegrityError
 from lifecycle.records import RecordView, Stats
 from lifecycle.states import State
@@ -132,5 +133,9 @@ def check_integrity(mgr) -> None:
         problems.append(f"{len(per_rec)} in-flight chunks belong to no live record")
     if counts != mgr._by_name:
         problems.append(f"state counters {mgr._by_name} disagree with records {counts}")
+    reads = (sum(c.indices.numel() for c in mgr._ongoing.values() if on_host(c.indices))  # device ids: not counted
+             + sum(q.slots.numel() for q in mgr._expired.values() if on_host(q.slots)))
+    if mgr._reading.total() != reads:
+        problems.append(f"{mgr._reading.total()} slot reads counted, but copies in flight read {reads} slots")
     if problems:
         raise IntegrityError("; ".join(problems))

@@ -24,6 +24,7 @@ from lifecycle.log import RateLimitedLog, get_logger
 from lifecycle.machine import EVENTS
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release
+from lifecycle.slots import SlotsInFlight
 from lifecycle.requests import check_shape, initial_progress, plan_chunk, read_request
 from lifecycle.states import Facts, Refusal, State, decide
 
@@ -89,6 +90,7 @@ class DecodeOffloadManager(CallGate):
         self._stored: set[int] = set()
         self._failed: set[int] = set()   # landed acks whose copy failed (never stored)
         self._expired: dict = {}  # copies past their deadline, maybe still reading (Quarantine)
+        self._reading = SlotsInFlight()  # per device slot: copies (expired ones too) still reading it
         self._poll_expired = getattr(offloader, "expired_writes", None)
         self._poll_failed = getattr(offloader, "failed_writes", None)
         self._store_parent = getattr(offloader, "stores_parent_hash", False) is True  # KV events' parent link
@@ -318,6 +320,8 @@ class DecodeOffloadManager(CallGate):
         Returns:
             What was pending when the manager closed.
         Raises:
+            InvalidArgument: ``timeout_s`` not a finite number >= 0 or ``force`` not a bool; raised
+                before anything changes (the manager stays open, the offloader untouched).
             LifecycleError: work is pending (unless ``force``); names it. Nothing closed.
             ReentrantCall: called from inside another call.
         """

@@ -20,6 +20,7 @@ import torch
 
 from lifecycle.errors import InvalidRequest, LifecycleError
 from transfer.indices import on_host
+from lifecycle.slots import check_slots
 
 
 class ReleaseRefused(InvalidRequest):
@@ -129,43 +130,33 @@ def release_ranges(committed: int, allocated: int, alloc_page: int) -> tuple:
 def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     """The validated plan for releasing ``req`` (read by ``lifecycle.requests.read_request``).
 
-    A row on a device (``req_to_token`` on CUDA) is never read on the host here: the plan's slots
-    stay on the device as the row lists them (not sorted, not deduplicated) and their values are
-    not checked for -1 or repeats (SGLang's own manager does not check them either; its release
-    sink frees by ranges). The one exception: a request one of whose copies expired (past
-    ``write_timeout_s``, or discarded when SGLang's TP=1 release wait ran out) reads its slots on
-    the host to leave the quarantined ones out.
+    A row in host memory goes through ``lifecycle.slots.check_slots``, the check every chunk plan
+    makes too (the allocator is asked through the release sink). A row on a device
+    (``req_to_token`` on CUDA) is never read on the host here: the plan's slots stay on the device as
+    the row lists them (not sorted, not deduplicated) and their values are not checked for -1 or
+    repeats (SGLang's own manager does not check them either; its release sink frees by ranges). The
+    one exception: a request one of whose copies expired (past ``write_timeout_s``, or discarded when
+    SGLang's TP=1 release wait ran out) reads its slots on the host, is checked, and leaves the
+    quarantined ones out.
 
     Raises:
-        InvalidRequest: the row lists a negative slot id (-1: never written) or the same slot twice
-            (a cleared or corrupted row) in the ranges to free.
+        InvalidSlots: the row lists a negative slot id (-1: never written), the same slot twice
+            (a cleared or corrupted row), or a slot a copy in flight still reads (another request's,
+            or an expired copy of another position) in the ranges to free.
         ReleaseRefused: the release sink refuses the plan.
     """
     row_id, committed, allocated = view
     ranges = release_ranges(committed, allocated, mgr._alloc_page)
-    slots, lowest = _row_slots(mgr.req_to_token_pool.req_to_token, row_id, ranges)
+    table = mgr.req_to_token_pool.req_to_token
+    slots = _row_slots(table, row_id, ranges)
     n_quarantined = 0
-    if slots.numel() and not on_host(slots) and quarantined is not None:
-        # the one host read on a device row: a stuck copy's quarantine
-        slots, lowest, quarantined = slots.cpu(), None, quarantined.cpu()
-    if slots.numel() and on_host(slots):
-        unique, lowest = (slots, lowest) if lowest is not None else _sorted_unique(slots)
-        if lowest < 0:
-            pos = int((slots < 0).nonzero()[0])
-            raise InvalidRequest(
-                f"request {rec.rid!r}: row {row_id} lists slot {int(slots[pos])} at a position to free "
-                f"(ranges {list(ranges)}): KV never allocated there"
-            )
-        if unique.numel() != slots.numel():
-            raise InvalidRequest(
-                f"request {rec.rid!r}: row {row_id} lists {slots.numel() - unique.numel()} slot ids more "
-                f"than once in {list(ranges)} (cleared or overwritten?)"
-            )
-        slots = unique
-        if quarantined is not None:
-            keep = ~torch.isin(slots, quarantined)
-            n_quarantined = slots.numel() - int(keep.sum())
-            slots = slots[keep]
+    if slots.numel() and (on_host(slots) or quarantined is not None):
+        # host rows always; on a device row, the one host read: a stuck copy's quarantine
+        held = None if quarantined is None else _as_numpy(quarantined)
+        ids, n_quarantined = check_slots(mgr, rec.rid, row_id, ranges, _as_numpy(slots), "free", quarantined=held)
+        slots = torch.from_numpy(ids) if ids.shape[0] else _EMPTY
+        if not on_host(table):
+            slots = slots.to(table.device)
     plan = ReleasePlan(req, rec.rid, row_id, ranges, slots, committed, allocated, n_quarantined)
     mgr.release_sink.check(plan)
     return plan
@@ -174,30 +165,22 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> tuple[torch.Tensor, int | None]:
-    """The int64 slot ids of ``table[row_id]`` over ``ranges`` (a fresh tensor), and their lowest
-    id when they ascend strictly (else None: not known sorted and unique). On the CPU through NumPy
-    (one copy-convert, one comparison pass: a few NumPy calls instead of several torch ops);
-    elsewhere through torch on the table's device, ascent not checked (None), nothing read on the host."""
+def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> torch.Tensor:
+    """The int64 slot ids of ``table[row_id]`` over ``ranges`` (a fresh tensor). On the CPU through
+    NumPy (one copy-convert); elsewhere through torch on the table's device, nothing read on the host."""
     if not ranges:
-        return _EMPTY, None
-    if on_host(table) and not table.requires_grad:
+        return _EMPTY
+    if not on_host(table):
+        row = table[row_id]
+        parts = [row[s:e] for s, e in ranges]
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64)
+    if not table.requires_grad:
         row = table.numpy()[row_id]
-        a = (row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
-             else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64)
-        ascending = len(a) and (a[1:] > a[:-1]).all()
-        return torch.from_numpy(a), int(a[0]) if ascending else None
-    row = table[row_id]
-    parts = [row[s:e] for s, e in ranges]
-    return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64), None
+    else:
+        row = table[row_id].detach().numpy()
+    return torch.from_numpy((row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
+                             else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64))
 
 
-def _sorted_unique(slots: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``torch.unique(slots)`` (sorted) and its lowest id, without sorting when the slots already
-    ascend strictly (the common case: one comparison pass on the CPU)."""
-    if slots.device.type == "cpu":
-        a = slots.numpy()
-        if bool((a[1:] > a[:-1]).all()):
-            return slots, int(a[0])
-    unique = torch.unique(slots)
-    return unique, int(unique[0])
+def _as_numpy(slots: torch.Tensor) -> np.ndarray:
+    return slots.numpy() if on_host(slots) else slots.cpu().numpy()

@@ -3,7 +3,8 @@
 Every scheduler call reads the request through ``read_request`` (shape, ownership, row, lengths)
 before it changes anything, and plans its work here (``plan_chunk``; ``lifecycle.release`` plans a
 release) with every input checked; the manager acts only on a validated plan. A check that fails
-raises a ``LifecycleError`` (``InvalidRequest``, ``InvalidToken``) naming the request.
+raises a ``LifecycleError`` (``InvalidRequest``, ``InvalidToken``, ``InvalidSlots``) naming the
+request; slot ids are checked by ``lifecycle.slots.check_slots``, the one check both plans use.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hashing import TokenRangeError, page_hashes
 from lifecycle.errors import InvalidRequest, InvalidToken
 from lifecycle.records import Chunk, OffloadedState
 from transfer.indices import on_host
+from lifecycle.slots import check_slots
 
 _SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
 _KV_SHAPE = ("req_pool_idx", "kv_committed_len", "kv_allocated_len")
@@ -135,13 +137,17 @@ def initial_progress(mgr, req) -> OffloadedState:
     return OffloadedState(0, names[-1] if names else mgr.namespace_seed)
 
 
-def row_slots(table: torch.Tensor, row: int, start: int, end: int) -> torch.Tensor:
-    """``table[row, start:end]`` as a fresh int64 tensor on the table's device. On the CPU one NumPy
-    copy-convert (about half the cost of the torch indexing and ``to`` for a chunk's few slots); on a
-    device a device-side copy, never read on the host (no sync)."""
-    if on_host(table) and not table.requires_grad:
-        return torch.from_numpy(table.numpy()[row, start:end].astype(np.int64))
-    return table[row, start:end].to(torch.int64, copy=True)
+def row_slots(table: torch.Tensor, row: int, start: int, end: int) -> tuple[torch.Tensor, np.ndarray | None]:
+    """``table[row, start:end]`` as a fresh int64 tensor on the table's device, and its ids as NumPy
+    on the CPU for the slot check. In host memory one NumPy copy-convert, shared by both (about
+    half the cost of the torch indexing and ``to`` for a chunk's few slots). On a device a
+    device-side copy, never read on the host (no sync): the ids are None and their values are
+    checked where the copy runs (``transfer.gather.ChunkCopy``; a bad chunk is a failed copy)."""
+    if on_host(table):
+        t = table[row, start:end]
+        a = (t.numpy() if not table.requires_grad else t.detach().numpy()).astype(np.int64)
+        return torch.from_numpy(a), a
+    return table[row, start:end].to(torch.int64, copy=True), None
 
 
 def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
@@ -150,6 +156,9 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
     Raises:
         InvalidRequest: the chunk has tokens whose KV is not committed.
         InvalidToken: a token of the chunk is not an int in 0..2**32-1.
+        InvalidSlots: the row lists, for the chunk, a -1 or repeated slot id, one a copy in flight
+            still reads, or one the allocator does not hold (``lifecycle.slots.check_slots``, the
+            check the release plan makes).
     """
     row, committed, _ = view
     origin, out = req.origin_input_ids, req.output_ids
@@ -174,7 +183,9 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
         names = page_hashes(tokens, mgr.page_size, rec.offload.last_hash)
     except TokenRangeError:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
-    indices = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
+    indices, ids = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
+    if ids is not None:
+        check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", indices=indices)
     parent = rec.offload.last_hash   # the page before the chunk; a namespace seed is no page
     # tuples: the collector untracks them (ints, strings), where a list stays tracked while in flight
     return Chunk(0, req, rec, start, end, None, tuple(tokens), tuple(names), 0.0, indices,

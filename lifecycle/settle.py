@@ -85,6 +85,7 @@ def on_landed(mgr, chunk: Chunk):
     """A copy landed: store its pages (or drop them: a failed copy), then move the request on."""
     rec = chunk.rec
     rec.inflight -= 1
+    mgr._reading.remove(chunk.ack_id)
     mgr._chunks_landed += 1
     if chunk.ack_id in mgr._failed:
         mgr._failed.discard(chunk.ack_id)
@@ -149,6 +150,7 @@ def on_expired(mgr, chunk: Chunk):
 def on_expired_ended(mgr, q: Quarantine) -> None:
     """An expired copy finally ended: its host pages, and its slots if already released, go back."""
     mgr.offloader.free_host(q.host)
+    mgr._reading.remove(q.ack_id)
     if q.released:
         mgr.token_to_kv_pool_allocator.free(q.slots)
     mgr._emit(mgr._log.warning, audit.EXPIRED_COPY_ENDED, rid=q.rid, ack_id=q.ack_id,

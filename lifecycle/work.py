@@ -37,9 +37,11 @@ def enqueue_chunk(fire) -> None:
 
 
 def commit_chunk(fire) -> None:
-    """Before ``enqueued``: record the chunk in flight and advance ``inc_len`` and ``last_hash``."""
+    """Before ``enqueued``: record the chunk in flight (its slots counted as read) and advance
+    ``inc_len`` and ``last_hash``."""
     mgr, rec, chunk = fire.kwargs["mgr"], fire.model, fire.kwargs["chunk"]
     mgr._ongoing[chunk.ack_id] = chunk
+    mgr._reading.add(chunk.ack_id, chunk.indices)
     rec.inflight += 1
     rec.offload.inc_len += chunk.end - chunk.start
     rec.offload.last_hash = chunk.page_hashes[-1]

@@ -155,15 +155,20 @@ def cmd_diagrams(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kv-lifecycle`` console script and ``python -m lifecycle_tools``."""
+    import lifecycle_tools
     from lifecycle_tools.interrupt import EXIT_INTERRUPTED, INTERRUPTS
 
-    args = build_parser().parse_args(argv)
-    if args.command == "simulate":
-        from lifecycle_tools.simulate_cmd import cmd_simulate as handler
-    else:
-        handler = {"audit": cmd_audit, "diagrams": cmd_diagrams}[args.command]
-    INTERRUPTS.install()
+    INTERRUPTS.install()  # before any work: parsing and imports can take a noticeable fraction of a second
+    if lifecycle_tools.EARLY_SIGINT:  # Ctrl-C while the command was starting (see lifecycle_tools)
+        INTERRUPTS.pressed()
     try:
+        INTERRUPTS.check()
+        args = build_parser().parse_args(argv)
+        if args.command == "simulate":
+            from lifecycle_tools.simulate_cmd import cmd_simulate as handler
+        else:
+            handler = {"audit": cmd_audit, "diagrams": cmd_diagrams}[args.command]
+        INTERRUPTS.check()
         return handler(args)
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")

@@ -65,6 +65,10 @@ class Interrupts:
         if self._event.is_set():
             raise KeyboardInterrupt
 
+    def pressed(self) -> None:
+        """Act as if Ctrl-C was pressed now (one that came before ``install``, recorded elsewhere)."""
+        self._handler(signal.SIGINT, None)
+
     def _handler(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         if self._event.is_set():
             self._exit_now()

@@ -26,18 +26,18 @@ being a transition from PREFILLED; a log without ``gen`` cannot tell a readmitte
 new request with the same rid (both are checked, as separate lifecycles).
 
 Times: the ``t`` field (seconds, monotonic, written by the CLI's log configuration) when present,
-else ``timestamp`` (ISO 8601 or epoch seconds), else the line number.
+else ``timestamp`` (ISO 8601 or epoch seconds), else the line number. A time that is not finite or
+not in 0..1e11 s (``audit_log.event_time``) is a violation on its line; the event is not replayed.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import datetime
 
 from lifecycle import audit
 from lifecycle.states import State
 from lifecycle_tools import interrupt
-from lifecycle_tools.audit_log import field_problem, read_lines
+from lifecycle_tools.audit_log import event_time, field_problem, read_lines
 from lifecycle_tools.audit_report import format_report
 from lifecycle_tools.replay_model import (
     INITIAL_NAME, RELEASED_NAME, STATE_NAMES, Chunk, Lifecycle, Replay, Violation)
@@ -47,26 +47,12 @@ __all__ = ["INITIAL_NAME", "RELEASED_NAME", "STATE_NAMES", "Chunk", "Lifecycle",
            "declared_table", "format_report", "replay", "replay_file"]
 
 
-def _time(ev: dict, line: int) -> float:
-    t = ev.get("t")
-    if isinstance(t, (int, float)) and not isinstance(t, bool):
-        return float(t)
-    ts = ev.get("timestamp")
-    if isinstance(ts, (int, float)) and not isinstance(ts, bool):
-        return float(ts)
-    if isinstance(ts, str):
-        try:
-            return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            pass
-    return float(line)
-
-
 class _Replayer:
     def __init__(self) -> None:
         self.r = Replay()
         self.live: dict[tuple, Lifecycle] = {}
         self.readmits: dict[tuple, int] = {}      # (rid, gen) -> line of its readmit
+        self._t = 0.0                             # the time of the event being replayed (``_parse``)
 
     # -- helpers -------------------------------------------------------------------------------
     def bad(self, line: int, rid, msg: str) -> None:
@@ -285,7 +271,7 @@ class _Replayer:
             if name == audit.REFUSED:
                 self.r.refusals.append((n, ev.get("rid"), ev.get("trigger"), ev.get("reason")))
             elif name in handlers:
-                handlers[name](ev, n, _time(ev, n))
+                handlers[name](ev, n, self._t)
         self._finish()
         self.r.violations.sort(key=lambda v: v.line)
         return self.r
@@ -310,7 +296,12 @@ class _Replayer:
             return None
         r.events += 1
         r.event_counts[name] += 1
-        t = _time(ev, n)
+        t, problem = event_time(ev, n)
+        if problem:
+            rid = ev.get("rid")
+            self.bad(n, rid if isinstance(rid, (str, int)) else None, f"{name}: {problem}")
+            return None
+        self._t = t
         r.t0 = t if r.t0 is None else min(r.t0, t)
         r.t1 = t if r.t1 is None else max(r.t1, t)
         if not name.startswith("lifecycle."):

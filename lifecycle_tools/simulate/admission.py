@@ -161,5 +161,7 @@ class Admission:
     def idle(self) -> bool:
         return self.backups_pending == 0 and self.loader.idle()
 
-    def close(self) -> None:
-        self._backup.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the prompt-backup worker, waiting at most ``timeout`` seconds (a backup stuck in a
+        hung tier is left behind; the drain has counted it as cut off)."""
+        self._backup.close(timeout)

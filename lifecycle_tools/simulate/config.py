@@ -95,6 +95,9 @@ OPTIONS: tuple[Option, ...] = (
            "subscriber replays missed event batches (needs --kv-events)", OBSERVE),
     Option("prefill_budget", 2048, k.integer(1), "prompt tokens computed per step at most", cli=None),
     Option("drain_timeout_s", 60.0, k.seconds, "seconds to wait for copies at the end of a pass", cli=None),
+    Option("drain_stall_s", 2.0, k.seconds, "at the end of a pass, storage work (writes, prompt backups, "
+           "prefix loads) is waited for only while the tier works: it is cut off and counted once the "
+           "tier's circuit breaker is open or nothing of it finished for this many seconds", cli=None),
 )
 
 

@@ -77,6 +77,13 @@ class PassReport:
     pages_served_unverified: int = 0    # pages the store served without a seal (no integrity check)
     storage_evictions: int = 0          # pages the store evicted under its capacity bound (its own count)
     drained: bool = True
+    drain_s: float = 0.0
+    drain_end: str = "done"
+    storage_ops_cut_off: int = 0
+    storage_pages_cut_off: int = 0
+    host_pages_cut_off: int = 0
+    backups_cut_off: int = 0
+    loads_cut_off: int = 0
 
     def error(self, message: str) -> None:
         """Keep ``message`` (the first ``MAX_ERRORS``; later ones are only counted)."""
@@ -226,7 +233,8 @@ ROWS = (
     ("offloader enqueue per chunk p50/p99 (2)", lambda p: f"{p.enqueue_us_p50:.0f} / {p.enqueue_us_p99:.0f} us"),
     ("slots leaked", lambda p: f"{p.slots_leaked}"),
     ("rows freed / admitted", lambda p: f"{p.rows_freed} / {p.rows_admitted}"),
-    ("host pages leaked", lambda p: f"{p.host_pages_leaked}"),
+    ("host pages leaked", lambda p: f"{p.host_pages_leaked}"
+                                    + (f" (+{p.host_pages_cut_off} held by cut-off writes)" if p.host_pages_cut_off else "")),
     ("manager leaked / unreleased", lambda p: f"{p.manager_leaked} / {p.manager_unreleased}"),
     ("double frees", lambda p: f"{p.double_frees}"),
     ("lifecycle errors", lambda p: f"{p.lifecycle_errors}"),
@@ -235,6 +243,9 @@ ROWS = (
     ("pages refused by storage: corrupt / other page or format (4)",
      lambda p: f"{p.pages_refused_corrupt} / {p.pages_refused_foreign}"),
     ("pages served unverified (no seal) (4)", lambda p: f"{p.pages_served_unverified}"),
+    ("end-of-pass wait for copies and storage (5)", lambda p: f"{p.drain_s:.2f} s ({p.drain_end})"),
+    ("  cut off: storage writes (pages) / backups / loads",
+     lambda p: f"{p.storage_ops_cut_off} ({p.storage_pages_cut_off}) / {p.backups_cut_off} / {p.loads_cut_off}"),
     ("wall time", lambda p: f"{p.wall_s:.2f} s"),
     ("requests per second", lambda p: f"{p.requests_per_s:.1f}"),
 )
@@ -245,6 +256,8 @@ NOTES = (
     "(2) HostOffloader.write on the scheduler thread (gather and hand-off of one chunk; the copy runs on a worker)",
     "(3) pages read back from storage and compared byte for byte with the KV they came from",
     "(4) every read of the pass (prefix loads and verification), as the storage tier counted it",
+    "(5) copies are waited for (drain_timeout_s); storage work only while the tier works: once its circuit "
+    "breaker is open or nothing finished for drain_stall_s, what is pending is cut off (counted, never stored)",
 )
 
 

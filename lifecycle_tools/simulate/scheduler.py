@@ -221,21 +221,55 @@ class Simulator:
                                self.mgr.stats().inflight_writes, self.stack.offloader.stats().pages_stored))
 
     def _drain(self, rep: PassReport) -> None:
-        """Wait (bounded) until every copy landed, every storage op and backup finished."""
-        deadline = time.perf_counter() + self.cfg.drain_timeout_s
+        """Wait (bounded) until every copy landed, every storage op, backup and load finished.
+
+        Copies (device -> host) are waited for up to ``drain_timeout_s``: their slots are freed only
+        once they land. Storage work (storage ops, prompt backups, prefix loads) is waited for only
+        while the tier works, by the deadline machinery the lookups use: once the tier's circuit
+        breaker is not closed (down, or a probe hanging) or nothing of it finished for
+        ``drain_stall_s``, what is still pending is cut off — counted in the report
+        (``storage_ops_cut_off`` ...), abandoned by the bounded shutdown — instead of waited out.
+        """
+        t0 = time.perf_counter()
+        deadline = t0 + self.cfg.drain_timeout_s
+        breaker = getattr(self.stack.prefix_loader, "breaker", None)
+        seen, stall_at = None, t0 + self.cfg.drain_stall_s
         while True:
             interrupt.check()
             self.calls.step_ns = 0
             self.calls(self.mgr.check_offload_progress)
             self.admission.poll_backups(rep)
-            if self.mgr.idle() and self.admission.idle():
-                return
-            if time.perf_counter() > deadline:
-                rep.drained = self.mgr.idle()
+            now = time.perf_counter()
+            pending = self.mgr.pending()
+            copies = pending.copies or pending.finished_waiting or pending.unsettled
+            storage = (pending.storage_ops, self.admission.backups_pending, self.admission.loader.idle())
+            if not copies and self.mgr.idle() and self.admission.idle():
+                rep.drain_end = "done"
+                break
+            if storage != seen:
+                seen, stall_at = storage, now + self.cfg.drain_stall_s
+            if now > deadline:
+                rep.drained = not copies
+                rep.drain_end = "timeout"
                 if not self.admission.idle():
                     rep.error(f"{self.admission.backups_pending} prompt backups still running after the drain timeout")
-                return
+                break
+            if not copies:
+                down = breaker is not None and breaker.state.value != "closed"
+                if down or now > stall_at:
+                    rep.drain_end = "tier down" if down else "tier stalled"
+                    self._cut_off(rep)
+                    break
             time.sleep(0.001)
+        rep.drain_s = time.perf_counter() - t0
+
+    def _cut_off(self, rep: PassReport) -> None:
+        """Count the storage work the drain stops waiting for (it is abandoned at shutdown)."""
+        ops = list(self.mgr._storage_ops.values())
+        rep.storage_ops_cut_off = len(ops)
+        rep.storage_pages_cut_off = sum(op.pages for op in ops)
+        rep.backups_cut_off = self.admission.backups_pending
+        rep.loads_cut_off = 0 if self.admission.loader.idle() else 1
 
     def _count_leaks(self, ps: PassState) -> None:
         """Every slot, row and host page back; the manager holds nothing unreleased."""
@@ -243,7 +277,10 @@ class Simulator:
         free0, rows0, host0 = self.baseline
         rep.slots_leaked = free0 - self.stack.allocator.available_size()
         rep.rows_leaked = rows0 - self.rows.available_size()
-        rep.host_pages_leaked = (host0 - self.stack.host_pool.available_size()) // self.ps
+        missing = (host0 - self.stack.host_pool.available_size()) // self.ps
+        if rep.storage_ops_cut_off:  # pages the cut-off writes still hold now (freed if they ever end)
+            rep.host_pages_cut_off = sum(op.host.numel() for op in self.mgr._storage_ops.values()) // self.ps
+        rep.host_pages_leaked = missing - rep.host_pages_cut_off
         ps.waiting.clear()
         ps.running.clear()
         ps.draining.clear()
@@ -257,6 +294,6 @@ class Simulator:
             rep.error(f"allocator integrity: {err}")
             rep.lifecycle_errors += 1
 
-    def close(self) -> None:
-        """Stop the prompt-backup worker."""
-        self.admission.close()
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the prompt-backup worker (waiting at most ``timeout`` seconds)."""
+        self.admission.close(timeout)

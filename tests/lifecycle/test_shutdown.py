@@ -57,3 +57,49 @@ def test_forced_shutdown_with_a_stuck_copy_is_bounded_and_keeps_its_slots():
     abandoned = [e for e in logs if e["event"] == "lifecycle.abandoned"]
     assert abandoned and abandoned[0]["held_slots"] == 4 and abandoned[0]["copies"] == [("r", 1, 4, 8)]
     assert node.alloc.freed_pages == [] and node.pool.freed_rows == []   # never freed under the copy
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "5", float("inf"), None, True],
+                         ids=["negative", "nan", "str", "inf", "none", "bool"])
+def test_a_bad_shutdown_timeout_is_refused_before_anything_closes(bad):
+    """docs: shutdown closes in bounded time and every refused call changes nothing: a timeout that
+    bounds nothing is refused with the manager still open and the offloader still running; the
+    corrected call then closes both."""
+    import torch
+
+    from lifecycle import DecodeOffloadManager, InvalidArgument
+    from lifecycle_tools.testkit.doubles import Req as DReq
+    from transfer import build_stack
+    from transfer.errors import Closed
+
+    stack = build_stack(1, 1, 2, torch.float16, 4, 64, 64, 4, 32)
+    try:
+        mgr = DecodeOffloadManager.from_stack(stack)
+        with pytest.raises(InvalidArgument, match="timeout_s must be a finite number of seconds >= 0"):
+            mgr.shutdown(timeout_s=bad)
+        assert not mgr.closed
+        row = stack.req_to_token_pool.alloc()
+        stack.req_to_token_pool.req_to_token[row, :16] = stack.allocator.alloc(16).to(torch.int32)
+        req = DReq("s", range(8), row=row, outputs=(9000, 9001, 9002, 9003, 9004))
+        assert mgr.offload_kv_cache(req) is True        # the offloader still takes work
+        deadline = time.monotonic() + 10
+        while not mgr.idle() and time.monotonic() < deadline:
+            mgr.check_offload_progress()
+            time.sleep(0.005)
+        assert mgr.idle()
+        mgr.shutdown(timeout_s=1)
+        assert mgr.closed
+        with pytest.raises(Closed):
+            stack.offloader.write(torch.arange(4, 8), 99)
+    finally:
+        stack.close()
+
+
+def test_a_non_bool_force_is_refused_before_anything_closes():
+    from lifecycle import InvalidArgument
+
+    node = Node(page_size=4)
+    finished_with_a_copy(node)
+    with pytest.raises(InvalidArgument, match="force must be True or False, got 'no'"):
+        node.mgr.shutdown(force="no")                  # truthy: would abandon the copy
+    assert not node.mgr.closed and node.mgr.pending().copies == 1

@@ -1,0 +1,185 @@
+"""The one check of a plan's device slot ids, shared by the chunk plan and the release plan.
+
+A ``req_to_token`` row is the scheduler's word for which device slots hold a request's KV; a row
+that is wrong (a -1 never written, a slot listed twice, a slot the allocator does not hold, a slot a
+copy of another position or request still reads) makes a copy store someone else's KV under a
+valid page hash, or a release free memory still in use. Every plan reads its slot ids through
+``check_slots`` before anything changes:
+
+* not negative (-1: never written),
+* distinct,
+* (host-memory rows; a device row's ids are never read on the host: they are checked where the
+  copy runs, and not counted here)
+* not read by a copy in flight (another request's, or this request's at another position) nor by
+  an expired copy whose slots are quarantined — ``SlotsInFlight`` counts them per slot id,
+* in range and allocated, when the allocator can tell (``check_free``, the same probe the default
+  release sink asks; a release asks it through its sink instead, so a custom sink decides).
+
+A refusal raises ``InvalidSlots`` (a ``LifecycleError``) naming the request, its row, the slot, the
+verb (``offload`` / ``free``) and the token ranges, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lifecycle.errors import InvalidSlots, LifecycleError
+from transfer.indices import on_host
+
+
+class SlotsInFlight:
+    """How many copies in flight (expired ones included, until they end) read each device slot.
+
+    The chunk plan's check leaves the ids it checked here (``planned``); the chunk's commit counts
+    them under its ack id (``add``), and its copy landing, failing or, after expiring, finally
+    ending uncounts them (``remove``). Sized on demand by the highest slot id seen.
+    """
+
+    __slots__ = ("_n", "_by_ack", "planned")
+
+    def __init__(self) -> None:
+        self._n = np.zeros(1024, dtype=np.int32)
+        self._by_ack: dict = {}  # ack id -> (ids, lo, hi, run) as counted
+        self.planned = None  # (indices tensor, ids, lo, hi, run) of the chunk being planned
+
+    def add(self, ack: int, indices) -> None:
+        """Count the copy ``ack`` reading ``indices`` (the tensor its plan checked)."""
+        p = self.planned
+        self.planned = None
+        if p is None or p[0] is not indices:  # not planned through check_slots: derive (never on the fast path)
+            if not on_host(indices):  # device-resident ids are never read on the host (no sync): not counted
+                return
+            a = indices.numpy()
+            if not a.shape[0]:
+                return
+            a = np.unique(a)
+            p = (indices, a, int(a[0]), int(a[-1]), int(a[-1]) - int(a[0]) + 1 == a.shape[0])
+        _, a, lo, hi, run = p
+        if hi >= self._n.shape[0]:
+            grown = np.zeros(max(2 * self._n.shape[0], hi + 1), dtype=np.int32)
+            grown[: self._n.shape[0]] = self._n
+            self._n = grown
+        if run:
+            self._n[lo:hi + 1] += 1
+        else:
+            self._n[a] += 1
+        self._by_ack[ack] = p
+
+    def remove(self, ack: int) -> None:
+        """The copy ``ack`` ended: its slots are no longer read by it."""
+        p = self._by_ack.pop(ack, None)
+        if p is None:
+            return
+        _, a, lo, hi, run = p
+        if run:
+            self._n[lo:hi + 1] -= 1
+        else:
+            self._n[a] -= 1
+
+    def read(self, s: np.ndarray, lo: int, hi: int, run: bool) -> np.ndarray | None:
+        """The ids of ``s`` (sorted, distinct, in ``lo..hi``) some copy reads, or None when none is."""
+        n = self._n
+        if lo >= n.shape[0]:
+            return None
+        if run:  # one run of consecutive ids: a slice, no gather
+            window = n[lo:hi + 1]
+            if not window.any():
+                return None
+            return s[: window.shape[0]][window > 0]
+        inside = s[s < n.shape[0]] if hi >= n.shape[0] else s
+        busy = n[inside] > 0
+        return inside[busy] if busy.any() else None
+
+    def reader(self, slot: int):
+        """The ack id of a copy counted as reading ``slot`` (None: none)."""
+        for ack, (_, a, lo, hi, run) in self._by_ack.items():
+            if lo <= slot <= hi and (run or (a == slot).any()):
+                return ack
+        return None
+
+    def total(self) -> int:
+        """Slot reads counted (for integrity checks and tests)."""
+        return int(self._n.sum())
+
+
+def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None):
+    """Check the slot ids ``a`` (int64, row order) a plan will ``verb``; return them sorted and distinct.
+
+    Args:
+        mgr: the manager (its ``_reading`` counts, copies in flight, allocator).
+        rid, row, ranges: the request, its row and the token ranges ``a`` comes from (for messages).
+        verb: ``"offload"`` or ``"free"``.
+        quarantined: numpy ids this request's own expired copies may still read (a release leaves
+            them out instead of refusing); None for none.
+        indices: the chunk plan's slot tensor: the allocator is asked too (``check_free``; a
+            release asks its sink instead) and the checked ids are left in ``mgr._reading.planned``
+            for the chunk's commit.
+    Returns:
+        ``(ids, left_out)``: the sorted distinct ids (``a`` itself when it ascends), minus
+        ``quarantined``, and how many were left out for it.
+    Raises:
+        InvalidSlots: a negative id, a repeated id, an id a copy in flight reads, or (chunk plan)
+            an id the allocator does not hold or has never had.
+    """
+    n = a.shape[0]
+    if n == 0:
+        return a, 0
+    s = a if n == 1 or (a[1:] > a[:-1]).all() else np.unique(a)
+    lo, hi = int(s[0]), int(s[-1])
+    if lo < 0:
+        bad = int(a[int(np.flatnonzero(a < 0)[0])])
+        raise InvalidSlots(f"request {rid!r}: row {row} lists slot {bad} at a position to {verb} {_span(ranges)}: "
+                           f"KV never allocated there")
+    if s.shape[0] != n:
+        raise InvalidSlots(f"request {rid!r}: row {row} lists {n - s.shape[0]} slot ids more than once in "
+                           f"{list(ranges)} (cleared or overwritten?): refused to {verb}")
+    left_out = 0
+    if quarantined is not None and quarantined.shape[0]:
+        keep = ~np.isin(s, quarantined)
+        left_out = n - int(keep.sum())
+        s = s[keep]
+        if not s.shape[0]:
+            return s, left_out
+        lo, hi = int(s[0]), int(s[-1])
+    run = hi - lo + 1 == s.shape[0]
+    busy = mgr._reading.read(s, lo, hi, run)
+    if busy is not None:
+        slot = int(busy[0])
+        raise InvalidSlots(f"request {rid!r}: row {row} lists slot {slot} at a position to {verb} {_span(ranges)}, "
+                           f"which {_reader(mgr, slot)} still reads")
+    if indices is not None:
+        probe = _probe(mgr)
+        if probe is not None:
+            page = mgr._alloc_page
+            firsts = (np.arange(lo // page, hi // page + 1, dtype=np.int64) if run else np.unique(s // page)) * page
+            try:
+                probe(torch.from_numpy(firsts))
+            except LifecycleError:
+                raise
+            except Exception as err:
+                raise InvalidSlots(f"request {rid!r}: row {row} lists slots the allocator does not hold at positions "
+                                   f"to {verb} {_span(ranges)}: {err}") from err
+        mgr._reading.planned = (indices, s, lo, hi, run)
+    return s, left_out
+
+
+def _probe(mgr):
+    probe = getattr(mgr.token_to_kv_pool_allocator, "check_free", None)
+    return probe if callable(probe) else None
+
+
+def _span(ranges) -> str:
+    return f"(ranges {[tuple(r) for r in ranges]})"
+
+
+def _reader(mgr, slot: int) -> str:
+    """Who reads ``slot``: the copy in flight or the expired copy (rare path: a refusal)."""
+    ack = mgr._reading.reader(slot)
+    chunk = mgr._ongoing.get(ack)
+    if chunk is not None:
+        return f"a copy in flight of request {chunk.rec.rid!r} (ack {ack}, tokens [{chunk.start}, {chunk.end}))"
+    q = mgr._expired.get(ack)
+    if q is not None:
+        return f"an expired copy of request {q.rid!r} (ack {ack}, slots quarantined)"
+    return "a copy in flight"

@@ -1,0 +1,209 @@
+"""A chunk's slot ids are checked the way a release's are: one check (``lifecycle.slots``) for both.
+
+docs/states.md and the manager promise that a refused call changes nothing and that the KV stored
+under a page's hash is that page's KV. A ``req_to_token`` row that lists, for a chunk, a slot never
+written (-1), one device slot twice, a slot the allocator does not hold, or a slot a copy in flight
+reads (another request's, or this request's at another position) would store the wrong KV under a
+valid hash. Every entry point that builds a chunk refuses such a row with ``InvalidSlots`` (a
+``LifecycleError``), leaves no record on first sight, enqueues nothing, and works once the row is
+repaired: first sight, later chunks, the finishing request's last chunk, a TP manager, the SGLang
+drop-in. The release plan refuses a slot another request's copy still reads, through the same check.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lifecycle import InvalidRequest, LifecycleError, State
+from lifecycle.errors import InvalidSlots
+from tests.support.real_rig import Rig
+
+PS = 4
+
+
+def frozen(rig):
+    """Everything a refused call must leave as it was."""
+    s = rig.mgr.stats()
+    return (s, rig.mgr.snapshot(), rig.off.writes, rig.off.host_free_pages(), rig.alloc.available_size(),
+            rig.mgr._reading.total())
+
+
+def first_sight(rig, rid="a", prompt=8, room=16, outputs=5):
+    """A request seen for the first time with ``outputs - 1`` decode tokens of KV (one chunk due)."""
+    req, slots = rig.admit(rid, prompt, room, outputs=tuple(7000 + i for i in range(outputs)))
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = prompt + outputs - 1
+    return req, slots
+
+
+@pytest.mark.parametrize("bad", ["minus_one", "repeated", "unallocated", "out_of_range"])
+def test_first_sight_refuses_a_bad_chunk_row_and_leaves_no_record(bad):
+    rig = Rig(PS)
+    req, slots = first_sight(rig)
+    row = req.kv.req_pool_idx
+    table = rig.pool.req_to_token
+    good = table[row, 8:12].clone()
+    if bad == "minus_one":
+        table[row, 10] = -1
+        match = r"request 'a': row \d+ lists slot -1 at a position to offload \(ranges \[\(8, 12\)\]\)"
+    elif bad == "repeated":
+        table[row, 10] = table[row, 9]
+        match = r"lists 1 slot ids more than once in \[\(8, 12\)\]"
+    elif bad == "unallocated":
+        spare = rig.alloc.alloc(PS)
+        rig.alloc.free(spare)                            # a page nobody holds
+        table[row, 8:12] = spare.to(table.dtype)
+        match = r"lists slots the allocator does not hold at positions to offload \(ranges \[\(8, 12\)\]\)"
+    else:
+        table[row, 8:12] = torch.arange(10**6, 10**6 + 4, dtype=table.dtype)
+        match = r"lists slots the allocator does not hold"
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=match) as err:
+        rig.mgr.offload_kv_cache(req)
+    assert isinstance(err.value, LifecycleError) and isinstance(err.value, InvalidRequest)
+    assert rig.mgr.state_of(req) is None and frozen(rig) == before
+    table[row, 8:12] = good                              # repaired: the same call now works
+    assert rig.mgr.offload_kv_cache(req) is True
+    assert rig.mgr.state_of(req) is State.INFLIGHT and rig.off.writes == 1
+
+
+def test_a_refused_first_sight_is_not_reported_as_a_leak_when_dropped():
+    rig = Rig(PS)
+    req, _ = first_sight(rig)
+    rig.pool.req_to_token[req.kv.req_pool_idx, 9] = -1
+    with pytest.raises(InvalidSlots):
+        rig.mgr.offload_kv_cache(req)
+    del req
+    rig.progress()
+    assert (rig.mgr.stats().leaked, rig.mgr.stats().tracked) == (0, 0)
+
+
+def test_a_later_chunk_repeating_a_slot_in_itself_is_refused():
+    rig = Rig(PS, stride=8)
+    req, _ = rig.admit("b", 8, 24)
+    row = req.kv.req_pool_idx
+    table = rig.pool.req_to_token
+    table[row, 12:16] = table[row, 8:12].clone()         # the page of [12, 16) is the page of [8, 12)
+    assert rig.decode(req, 7) == [False] * 7
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=r"row \d+ lists 4 slot ids more than once in \[\(8, 16\)\]"):
+        req.decode(9000)
+        rig.mgr.offload_kv_cache(req)
+    assert frozen(rig) == before and rig.mgr.state_of(req) is State.PREFILLED
+
+
+def test_a_chunk_listing_a_slot_its_own_earlier_copy_still_reads_is_refused_naming_the_copy():
+    rig = Rig(PS)
+    req, _ = rig.admit("c", 8, 24)
+    row = req.kv.req_pool_idx
+    table = rig.pool.req_to_token
+    rig.decode(req, 4)                                  # ack 1 reads the slots of [8, 12)
+    good = table[row, 12:16].clone()
+    table[row, 12:16] = table[row, 8:12].clone()
+    rig.decode(req, 3)
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=r"at a position to offload \(ranges \[\(12, 16\)\]\), which a copy in "
+                                           r"flight of request 'c' \(ack 1, tokens \[8, 12\)\) still reads"):
+        rig.decode(req, 1)
+    assert frozen(rig) == before
+    table[row, 12:16] = good
+    assert rig.mgr.offload_kv_cache(req) is True
+
+
+def test_a_chunk_listing_another_live_requests_slot_in_flight_is_refused():
+    rig = Rig(PS)
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 4)                                    # ack 1: a's [8, 12) in flight
+    b, _ = first_sight(rig, "b")
+    rig.pool.req_to_token[b.kv.req_pool_idx, 8:12] = rig.pool.req_to_token[a.kv.req_pool_idx, 8:12]
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=r"request 'b': .* which a copy in flight of request 'a' \(ack 1"):
+        rig.mgr.offload_kv_cache(b)
+    assert frozen(rig) == before and rig.mgr.state_of(b) is None
+
+
+def test_a_chunk_listing_a_slot_an_expired_copy_may_still_read_is_refused():
+    rig = Rig(PS)
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 4)
+    rig.off.expire([1])
+    rig.progress()                                      # ack 1 expired: its slots quarantined
+    b, _ = first_sight(rig, "b")
+    rig.pool.req_to_token[b.kv.req_pool_idx, 8:12] = rig.pool.req_to_token[a.kv.req_pool_idx, 8:12]
+    with pytest.raises(InvalidSlots, match=r"which an expired copy of request 'a' \(ack 1, slots quarantined\)"):
+        rig.mgr.offload_kv_cache(b)
+    rig.off.land([1])
+    rig.progress()                                      # the expired copy ended: nothing reads them now
+    assert rig.mgr._reading.total() == 0
+
+
+def test_once_the_copy_landed_its_slots_are_not_held_any_more():
+    rig = Rig(PS)
+    req, _ = rig.admit("d", 8, 24)
+    rig.decode(req, 4)
+    assert rig.mgr._reading.total() == 4
+    rig.off.land()
+    rig.progress()
+    assert rig.mgr._reading.total() == 0
+    rig.mgr.check_integrity()
+
+
+def test_the_finishing_requests_last_chunk_is_checked_and_then_finalized():
+    rig = Rig(PS)
+    req, _ = rig.admit("e", 8, 16)
+    rig.decode(req, 3)
+    req.decode(7100)
+    req.finish()
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 11] = -1
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=r"lists slot -1 at a position to offload \(ranges \[\(8, 12\)\]\)"):
+        rig.mgr.offload_kv_cache(req)                   # the finish path: offload, then finalize if False
+    assert frozen(rig) == before
+    with pytest.raises(InvalidSlots, match=r"lists slot -1 at a position to free"):
+        rig.mgr.finalize_release_on_finish(req)          # the release plan refuses the same row
+    assert frozen(rig) == before
+
+
+def test_a_release_listing_a_slot_another_requests_copy_reads_is_refused_and_frees_nothing():
+    rig = Rig(PS)
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 4)                                    # ack 1 reads a's [8, 12)
+    b, _ = rig.admit("b", 8, 16)
+    b.finish()
+    rig.pool.req_to_token[b.kv.req_pool_idx, 4:8] = rig.pool.req_to_token[a.kv.req_pool_idx, 8:12]
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=r"request 'b': .* at a position to free .* which a copy in flight of "
+                                           r"request 'a' \(ack 1"):
+        rig.mgr.finalize_release_on_finish(b)
+    assert frozen(rig) == before and rig.mgr.state_of(b) is None
+
+
+@pytest.fixture
+def world():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_tp_manager_refuses_the_same_rows(world):
+    rig = Rig(PS, tp_group=world)
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 4)
+    b, _ = first_sight(rig, "b")
+    rig.pool.req_to_token[b.kv.req_pool_idx, 8:12] = rig.pool.req_to_token[a.kv.req_pool_idx, 8:12]
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match="which a copy in flight of request 'a'"):
+        rig.mgr.offload_kv_cache(b)
+    assert frozen(rig) == before and rig.mgr.state_of(b) is None
+    rig.pool.req_to_token[a.kv.req_pool_idx, 13] = -1    # a later chunk of a
+    with pytest.raises(InvalidSlots, match="lists slot -1"):
+        rig.decode(a, 4)
