@@ -64,14 +64,14 @@ class SlotsInFlight:
             self._n[lo:hi + 1] += 1
         else:
             self._n[a] += 1
-        self._by_ack[ack] = p
+        self._by_ack[ack] = p[1:]  # the ids, not the tensor: a tuple of untracked parts leaves the collector
 
     def remove(self, ack: int) -> None:
         """The copy ``ack`` ended: its slots are no longer read by it."""
         p = self._by_ack.pop(ack, None)
         if p is None:
             return
-        _, a, lo, hi, run = p
+        a, lo, hi, run = p
         if run:
             self._n[lo:hi + 1] -= 1
         else:
@@ -93,7 +93,7 @@ class SlotsInFlight:
 
     def reader(self, slot: int):
         """The ack id of a copy counted as reading ``slot`` (None: none)."""
-        for ack, (_, a, lo, hi, run) in self._by_ack.items():
+        for ack, (a, lo, hi, run) in self._by_ack.items():
             if lo <= slot <= hi and (run or (a == slot).any()):
                 return ack
         return None
