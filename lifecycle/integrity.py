@@ -64,6 +64,7 @@ def stats(mgr) -> Stats:
         copy_failures=mgr._copy_failures,
         quarantined_slots=sum(q.slots.numel() for q in mgr._expired.values()),
         unsettled=len(mgr._landed) + len(mgr._stored),
+        abandoned=mgr._abandoned,
     )
 
 

@@ -102,6 +102,7 @@ class Stats(msgspec.Struct):
     copy_failures: int = 0
     quarantined_slots: int = 0
     unsettled: int = 0  # completions reported by the offloader, not settled yet (check_offload_progress)
+    abandoned: int = 0  # copies and storage ops still in flight when shutdown(force=True)'s bound ran out
 
 
 class RecordView(msgspec.Struct):

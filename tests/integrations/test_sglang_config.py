@@ -25,7 +25,8 @@ def store_dir(tmp_path, monkeypatch):
     path = tmp_path / "hicache"
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(path))
     for var in ("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
-                "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"):
+                "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO",
+                "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"):
         monkeypatch.delenv(var, raising=False)
     return str(path)
 
@@ -58,6 +59,8 @@ REFUSED = [
     ({"size_gb": -1}, {}, "hicache-size"),
     ({"page_size": 0}, {}, "page_size"),
     ({"pp_rank": 2, "pp_size": 2}, {}, "pp_rank"),
+    ({}, {"KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S": "-1"}, "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S='-1'"),
+    ({}, {"KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S": "soon"}, "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S='soon'"),
 ]
 
 

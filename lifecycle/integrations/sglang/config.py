@@ -30,6 +30,9 @@ FILE_MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
 FILE_MIN_FREE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE"
 FILE_EVICTION_RATIO_ENV = "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"
 FILE_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's default file_path
+# ours: how long release_host_resources() drains accepted copies and storage writes at shutdown
+SHUTDOWN_TIMEOUT_ENV = "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 SUPPORTED_BACKENDS = ("file",)
 SUPPORTED_LAYOUTS = ("page_first",)
@@ -57,6 +60,7 @@ class OffloadConfig:
     pp_rank: int = 0
     pp_size: int = 1
     extra_config: dict = field(default_factory=dict)
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
 
 
 def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadConfig:
@@ -109,7 +113,21 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         pp_rank=pp_rank,
         pp_size=pp_size,
         extra_config=extra,
+        shutdown_timeout_s=_shutdown_timeout(env.get(SHUTDOWN_TIMEOUT_ENV)),
     )
+
+
+def _shutdown_timeout(raw: str | None) -> float:
+    """``KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S``: seconds >= 0 (unset: 5)."""
+    if raw is None or raw == "":
+        return DEFAULT_SHUTDOWN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise SGLangConfigError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r} must be a finite number of seconds >= 0")
+    return value
 
 
 def _setting(bag, name: str, where: str):

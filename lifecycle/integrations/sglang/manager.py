@@ -38,7 +38,9 @@ def active_managers() -> list:
 
 class OngoingOffload:
     """What SGLang reads of ``manager.ongoing_offload``: its ``len()``, the device -> host copies
-    not yet settled (0 means no device slot is held for an offload). Read-only."""
+    not yet settled (0 means no device slot is held for an offload). Read-only. After
+    ``release_host_resources`` it is empty: what the shutdown bound cut off is counted in
+    ``stats().abandoned`` instead (those copies are never settled)."""
 
     __slots__ = ("_mgr",)
 
@@ -46,6 +48,8 @@ class OngoingOffload:
         self._mgr = mgr
 
     def __len__(self) -> int:
+        if self._mgr.closed:
+            return 0
         stats = self._mgr.stats()
         return stats.inflight_writes + (1 if stats.quarantined_slots else 0)
 
@@ -157,14 +161,30 @@ class DecodeKVCacheOffloadManager:
             if state not in _WAITING:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
-                          waited_s=self.SGLANG_RELEASE_WAIT_S)
-                return True
+                return self._release_under_copy(req, state)
             time.sleep(0.0002)
         if state is State.RELEASED:
             return False
-        with self.release_sink.released_by_sglang():
+        with self.release_sink.released_by_sglang(req):
             self.manager.finalize_release_on_finish(req)
+        self._released_by_sglang.add(req)
+        log.info("sglang.released_by_sglang", rid=getattr(req, "rid", None))
+        return True
+
+    def _release_under_copy(self, req, state: State) -> bool:
+        """TP=1, the wait bound passed: SGLang frees the request's slots although copies of it may
+        still read them. Those copies are expired now (their pages are never stored: the slots may
+        be reused under them), and the request's lifecycle ends without freeing, as SGLang frees it;
+        the slots an expired copy may read are SGLang's, never freed by us. When the request
+        resumes with a new row, its next ``offload_kv_cache`` starts a new lifecycle."""
+        acks = self.manager.copies_of(req)
+        log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
+                  waited_s=self.SGLANG_RELEASE_WAIT_S, copies_expired=acks)
+        self.offloader.expire(acks)
+        with self.release_sink.released_by_sglang(req):
+            self.manager.check_offload_progress()  # settles the expired copies; others as usual
+            if self.manager.state_of(req) is not State.RELEASED:
+                self.manager.finalize_release_on_finish(req)
         self._released_by_sglang.add(req)
         log.info("sglang.released_by_sglang", rid=getattr(req, "rid", None))
         return True
@@ -180,19 +200,31 @@ class DecodeKVCacheOffloadManager:
         self.manager.readmit(req)
         return True
 
-    def release_host_resources(self) -> None:
-        """At shutdown (SGLang calls it from the scheduler process's ``finally``): drain queued copies
-        and storage writes, stop the workers, close the store. Idempotent; never raises for work
-        still in flight (it is drained, or logged when a worker does not stop)."""
+    def release_host_resources(self, timeout_s: float | None = None) -> None:
+        """At shutdown (SGLang calls it from the scheduler process's ``finally``): drain accepted
+        work within a bound, stop the workers, close the store. Idempotent; never raises for work
+        still in flight.
+
+        Copies already accepted land, their pages are written to storage and waited for, and
+        finished requests are released through SGLang's tree cache, for at most ``timeout_s``
+        seconds (default: ``KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S``, else 5; the offloader's
+        close then gets the same bound). Whatever the bound cut off is logged once
+        (``lifecycle.abandoned``, ERROR, with what was pending) and counted (``stats().abandoned``); its device slots
+        stay allocated (a copy may still read them). ``ongoing_offload`` is empty afterwards.
+        """
         if self._released_host:
             return
         self._released_host = True
         _ACTIVE.discard(self)
-        stats = self.manager.stats()
-        self.manager.shutdown(force=True)
-        self.storage.close()
+        bound = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        try:
+            self.manager.shutdown(force=True, timeout_s=bound)
+        finally:
+            self.storage.close()
+        stats = self.manager.stats()  # what the bound cut off: logged once by the manager (lifecycle.abandoned)
         log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
-                 inflight_writes=stats.inflight_writes, inflight_storage=stats.inflight_storage)
+                 pages_stored=self.offloader.stats().pages_stored, abandoned=stats.abandoned,
+                 timeout_s=bound)
         if self.audit_path is not None and not _ACTIVE:
             close_audit_trail()
 
