@@ -120,6 +120,7 @@ class HostOffloader:
         self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
         self._expired_acks: set[int] = set()  # expired, copy not yet ended
+        self._expire_now: list[int] = []  # expired by ``expire``, not reported yet
         self._failed_writes: list[int] = []
         self._ops: dict[int, list[int]] = {}  # storage op -> host pages
         self._op_ids = itertools.count(1)
@@ -229,9 +230,10 @@ class HostOffloader:
         The copy may still be reading its device slots: keep them until ``finished_writes``
         reports the same ack (then it is also in ``failed_writes``). Never blocks.
         """
+        out, self._expire_now = self._expire_now, []
         if not self._deadlines:
-            return []
-        now, out = self._clock(), []
+            return out
+        now = self._clock()
         for ack, deadline in list(self._deadlines.items()):
             if now >= deadline:
                 del self._deadlines[ack]
@@ -243,6 +245,30 @@ class HostOffloader:
                           pages=len(pages))
                 out.append(ack)
         return out
+
+    def expire(self, ack_ids: Sequence[int]) -> list[int]:
+        """Expire these copies now, before any deadline: the caller stops waiting for them (the
+        device slots they read are being freed by someone else). Each is reported by the next
+        ``expired_writes`` and its host pages are poisoned (never stored), exactly as a copy past
+        ``write_timeout_s``. Ids not in flight, or already expired, are skipped.
+
+        Returns:
+            The ids expired by this call.
+        """
+        done = []
+        for ack in ack_ids:
+            if ack not in self._writes or ack in self._expired_acks:
+                continue
+            self._deadlines.pop(ack, None)
+            self._expired_acks.add(ack)
+            pages = self._writes[ack][0]
+            self._poisoned.update(pages)
+            self._stats.copy_expired += 1
+            self._expire_now.append(ack)
+            log.error("offloader.copy_expired", ack_id=ack, timeout_s=None, pages=len(pages),
+                      reason="expired by the caller")
+            done.append(ack)
+        return done
 
     # -- host -> storage ----------------------------------------------------------------------
     def write_storage(

@@ -322,10 +322,13 @@ def test_with_tp_1_a_release_waits_at_most_the_bound_then_sglang_frees(store_dir
     assert mgr.offload_kv_cache(req)
     with structlog.testing.capture_logs() as logs:
         _release_hook(release_kv_cache)(req, node.tree, is_insert=False)
-    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["sglang.release_under_copy"]
+    errors = [e["event"] for e in logs if e["log_level"] == "error"]
+    assert errors[0] == "sglang.release_under_copy" and errors.count("lifecycle.copy_expired") == 1
     assert req.kv.req_pool_idx is None  # SGLang freed, as it would without us
+    assert mgr.manager.state_of(req).name == "RELEASED"
     mgr.offloader.engine.poll = poll
     node.drain(mgr)
+    assert os.listdir(store_dir) == []  # the expired copy read slots SGLang freed: never stored
     mgr.release_host_resources()
 
 
@@ -444,4 +447,121 @@ def test_stored_pages_are_bit_exact_for_every_kv_dtype(store_dir, dtype):
     assert want and sorted(os.listdir(store_dir)) == sorted(f"{h}{suffix}.bin" for h, _ in want)
     for h, data in want:
         assert hicache_file_get(store_dir, h, suffix, mgr.decode_host_mem_pool.page_nbytes) == data
+    mgr.release_host_resources()
+
+
+def _a_finished_request_with_a_copy_accepted(node, mgr, rid="late"):
+    req = node.admit(rid, list(range(4)), 30)
+    for _ in range(4):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(7)
+    assert mgr.offload_kv_cache(req)  # accepted: one page, prompt boundary 4 .. 8
+    req.finished_reason = "abort"
+    mgr.finalize_release_on_finish(req)  # released when the copy lands
+    return req
+
+
+def test_release_host_resources_stores_what_it_accepted_and_empties_ongoing_offload(kit, store_dir):
+    """Issue 20, point 3: a copy accepted just before shutdown lands, is written to storage and its
+    request released through SGLang's tree cache; nothing is cut off."""
+    node = Node(kit, page_size=4)
+    free_pages, free_rows = node.alloc.available_size(), node.pool.available_size()
+    mgr = build(node)
+    req = _a_finished_request_with_a_copy_accepted(node, mgr)
+    mgr.release_host_resources()  # at once: no progress check in between
+    assert len(mgr.ongoing_offload) == 0
+    stats = mgr.stats()
+    assert (stats.released, stats.abandoned, stats.inflight_writes, stats.inflight_storage) == (1, 0, 0, 0)
+    assert req.kv.req_pool_idx is None
+    assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
+    want = expected_pages(node, req, mgr.offload_stride)
+    suffix = hicache_file_suffix(MODEL, 0, 1, False)
+    assert len(want) == 1 and os.listdir(store_dir) == [f"{want[0][0]}{suffix}.bin"]
+    assert hicache_file_get(store_dir, want[0][0], suffix, mgr.decode_host_mem_pool.page_nbytes) == want[0][1]
+
+
+def test_release_host_resources_bound_is_configurable_and_what_it_cuts_off_is_logged_once_and_counted(
+        store_dir, monkeypatch):
+    import structlog
+
+    monkeypatch.setenv("KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S", "0.1")
+    node = Node(doubles_kit(), page_size=4)
+    mgr = build(node)
+    assert mgr.config.shutdown_timeout_s == 0.1
+    free_pages = node.alloc.available_size()
+    req = _a_finished_request_with_a_copy_accepted(node, mgr, "stuck")
+    mgr.offloader.engine.poll = lambda: []  # the copy never reports: a stuck copy
+    with structlog.testing.capture_logs() as logs:
+        mgr.release_host_resources()
+    cut = [e for e in logs if e["event"] == "lifecycle.abandoned"]
+    assert len(cut) == 1 and cut[0]["log_level"] == "error" and cut[0]["copies"] == [("stuck", 1, 4, 8)]
+    assert mgr.stats().abandoned == 1 and len(mgr.ongoing_offload) == 0
+    assert req.kv.req_pool_idx is not None  # never freed under the copy that may still read it
+    assert node.alloc.available_size() < free_pages
+    assert os.listdir(store_dir) == []
+
+
+def _retracted_after_the_wait_expired(node, mgr, rid):
+    """A decoding request with a copy that never reports, retracted by SGLang (release_kv_cache):
+    the TP=1 wait expires and SGLang frees its slots and row."""
+    from lifecycle.integrations.sglang.install import _release_hook
+    from lifecycle_tools.testkit.sglang_doubles import release_kv_cache
+
+    mgr.SGLANG_RELEASE_WAIT_S = 0.05
+    req = node.admit(rid, list(range(10)), 24)
+    for _ in range(6):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(2000 + req.kv.kv_committed_len)
+    poll = mgr.offloader.engine.poll
+    mgr.offloader.engine.poll = lambda: []  # the copy never reports while SGLang waits
+    assert mgr.offload_kv_cache(req)
+    _release_hook(release_kv_cache)(req, node.tree, is_insert=False)  # retract_decode
+    req.reset_for_retract()
+    mgr.offloader.engine.poll = poll
+    return req
+
+
+def test_resume_after_the_tp1_release_wait_expired_starts_a_new_lifecycle(kit, store_dir):
+    """Issue 20, point 4: no InvalidRequest into SGLang's loop; the resumed request is offloaded
+    and released in a new lifecycle, every slot and row comes back once, and only bytes read from
+    slots SGLang still held are stored."""
+    node = Node(kit, page_size=4)
+    free_pages, free_rows = node.alloc.available_size(), node.pool.available_size()
+    mgr = build(node)
+    req = _retracted_after_the_wait_expired(node, mgr, "r")
+    assert req.kv.req_pool_idx is None and node.alloc.available_size() == free_pages
+    # resume_retracted_reqs: a new row, the KV restored, decoding goes on
+    node.pool.alloc([req])
+    node._grow(req, len(req.origin_input_ids) + len(req.output_ids) - 1)
+    running = [req]
+    while running:
+        running = node.decode_step(mgr, running)
+    node.drain(mgr)
+    mgr.check_integrity()
+    stats = mgr.stats()
+    assert (stats.released, stats.leaked, stats.tracked, stats.copies_expired) == (2, 0, 0, 1)
+    assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
+    assert node.tree.protected_size_ == 0
+    want = expected_pages(node, req, mgr.offload_stride)
+    suffix = hicache_file_suffix(MODEL, 0, 1, False)
+    assert sorted(os.listdir(store_dir)) == sorted(f"{h}{suffix}.bin" for h, _ in want)
+    for h, data in want:
+        assert hicache_file_get(store_dir, h, suffix, mgr.decode_host_mem_pool.page_nbytes) == data
+    mgr.release_host_resources()
+
+
+def test_a_request_aborted_while_retracted_after_the_wait_expired_is_not_a_leak(kit, store_dir):
+    import gc
+
+    node = Node(kit, page_size=4)
+    free_pages, free_rows = node.alloc.available_size(), node.pool.available_size()
+    mgr = build(node)
+    req = _retracted_after_the_wait_expired(node, mgr, "gone")
+    req.finished_reason = "abort"  # aborted in the waiting queue: SGLang drops it, no row to free
+    del req
+    gc.collect()
+    node.drain(mgr)
+    stats = mgr.stats()
+    assert (stats.leaked, stats.released, stats.tracked) == (0, 1, 0)
+    assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
     mgr.release_host_resources()

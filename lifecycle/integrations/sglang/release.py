@@ -37,17 +37,19 @@ class SGLangReleaseSink:
         if not isinstance(getattr(tree_cache, "protected_size_", None), int):
             raise SGLangConfigError(f"tree cache {type(tree_cache).__name__} has no integer protected_size_")
         self.tree_cache, self.req_to_token_pool = tree_cache, req_to_token_pool
-        self._sglang_frees = False
+        self._sglang_frees = None  # the request SGLang is about to free itself
 
     @contextmanager
-    def released_by_sglang(self) -> Iterator[None]:
-        """Within the block, a release has no effect and nothing to check: SGLang is about to free
-        the request itself (``release_kv_cache``), so the lifecycle only records it."""
-        self._sglang_frees = True
+    def released_by_sglang(self, req) -> Iterator[None]:
+        """Within the block, releasing ``req`` has no effect and nothing to check: SGLang is about
+        to free it itself (``release_kv_cache``), so the lifecycle only records it (``free``
+        returns False: slots an expired copy of it may still read are SGLang's to free, not ours).
+        Other requests released in the block are freed as usual."""
+        self._sglang_frees = req
         try:
             yield
         finally:
-            self._sglang_frees = False
+            self._sglang_frees = None
 
     def check(self, plan) -> None:
         """Everything ``free`` relies on, checked without any effect.
@@ -59,7 +61,7 @@ class SGLangReleaseSink:
                 slots are quarantined (``free_kv_row`` frees whole ranges; the integration sets no
                 copy deadline, so none ever are).
         """
-        if self._sglang_frees:
+        if self._sglang_frees is not None and plan.req is self._sglang_frees:
             return
         req = plan.req
         rid = getattr(req, "rid", None)
@@ -89,12 +91,14 @@ class SGLangReleaseSink:
                     f"non-empty and inside the row (width {width})")
             last = end
 
-    def free(self, plan) -> None:
-        """Release the request as SGLang does: slots (one call), row, kv record, protected count."""
-        if self._sglang_frees:
-            return
+    def free(self, plan) -> bool:
+        """Release the request as SGLang does: slots (one call), row, kv record, protected count.
+        False (nothing done) for the request SGLang frees itself (``released_by_sglang``)."""
+        if self._sglang_frees is not None and plan.req is self._sglang_frees:
+            return False
         req = plan.req
         self.tree_cache.free_kv_row(req.kv, list(plan.ranges))
         self.req_to_token_pool.free(req)
         req.kv.mark_kv_released()
         self.tree_cache.protected_size_ -= len(req.prefix_indices)
+        return True
