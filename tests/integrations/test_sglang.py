@@ -360,7 +360,7 @@ def test_audit_trail_keeps_sglangs_console_at_info(store_dir, tmp_path, monkeypa
 
 def test_host_pool_from_hicache_size_in_gb(store_dir):
     node = Node(doubles_kit())
-    mgr = build(node, size_gb=0.001, ratio=None, io_backend="direct")
+    mgr = build(node, size_gb=0.001, ratio=None)
     per_token = 2 * node.layers * node.heads * node.dim * 2
     assert mgr.decode_host_mem_pool.size == (int(0.001 * 1e9 // per_token) // 4 + 1) * 4
     mgr.release_host_resources()

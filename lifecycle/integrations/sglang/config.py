@@ -35,8 +35,21 @@ SHUTDOWN_TIMEOUT_ENV = "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 SUPPORTED_BACKENDS = ("file",)
+# SGLang 0.5.19's --hicache-mem-layout / --hicache-io-backend choices
+SGLANG_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
+SGLANG_IO_BACKENDS = ("direct", "kernel", "kernel_ascend")
+# The byte order of one stored page per SGLang host layout (MHA; MLA has one kind and one head):
+# what HiCache's get_data_page hands a storage backend, so what a reader of the same fleet expects.
+PAGE_BYTE_ORDER = {
+    "page_first": "[kv, token, layer, head, dim]",
+    "layer_first": "[kv, layer, token, head, dim]",
+    "page_first_direct": "[kv, layer, token, head, dim]",
+    "page_head": "[kv, head, token, layer, dim]",
+    "page_first_kv_split": "Ascend NPU only",
+}
+# The layouts whose page bytes this integration's stores write (issue 24 adds the others).
 SUPPORTED_LAYOUTS = ("page_first",)
-SUPPORTED_IO_BACKENDS = ("kernel", "direct")
+SUPPORTED_IO_BACKENDS = ("kernel",)
 # extra-config keys the file backend reads; the metadata-cache ones only tune existence checks,
 # which our store answers from its own index anyway
 FILE_EXTRA_KEYS = ("max_size", "min_free_space", "eviction_ratio", "enable_metadata_cache", "metadata_ttl")
@@ -80,15 +93,9 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         raise SGLangConfigError(
             f"--hicache-storage-backend {backend!r} is not supported by kv-lifecycle's decode offload; "
             f"supported: {', '.join(SUPPORTED_BACKENDS)}")
-    layout = _setting(mem, "hicache_mem_layout", "get_memory()")
-    if layout not in SUPPORTED_LAYOUTS:
-        raise SGLangConfigError(
-            f"--hicache-mem-layout {layout!r} is not supported (the host pool and stored pages are "
-            f"page-first); supported: {', '.join(SUPPORTED_LAYOUTS)}")
-    io_backend = _setting(mem, "hicache_io_backend", "get_memory()")
-    if io_backend not in SUPPORTED_IO_BACKENDS:
-        raise SGLangConfigError(
-            f"--hicache-io-backend {io_backend!r} is not supported; supported: {', '.join(SUPPORTED_IO_BACKENDS)}")
+    layout, io_backend = check_layout_io(
+        _setting(mem, "hicache_mem_layout", "get_memory()"), _setting(mem, "hicache_io_backend", "get_memory()"),
+        backend)
     extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None))
     if getattr(parallel, "dcp_enabled", False):
         raise SGLangConfigError("decode context parallel (--dcp-size > 1) is not supported")
@@ -128,6 +135,44 @@ def _shutdown_timeout(raw: str | None) -> float:
     if not value >= 0 or value == float("inf"):
         raise SGLangConfigError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r} must be a finite number of seconds >= 0")
     return value
+
+
+def resolve_layout_io(layout: str, io_backend: str, backend: str | None) -> tuple[str, str]:
+    """The (layout, io backend) pair SGLang 0.5.19 runs with, from the pair passed: its
+    ``resolve_layout_io_compatibility`` then ``resolve_storage_layout_compatibility``
+    (``sglang/srt/arg_groups/hicache_hook.py``), which ``ServerArgs`` applies for decode offload.
+    ``get_memory()`` inside SGLang already holds the resolved pair; resolving again changes nothing."""
+    if layout == "page_first_direct" and io_backend == "kernel":
+        io_backend = "direct"
+    if layout == "page_first" and io_backend == "direct":
+        layout = "page_first_direct"
+    if backend == "mooncake" and layout == "layer_first":
+        layout = {"direct": "page_first_direct", "kernel": "page_first"}.get(io_backend, layout)
+    return layout, io_backend
+
+
+def check_layout_io(layout, io_backend, backend: str | None) -> tuple[str, str]:
+    """SGLang's resolved (layout, io backend) pair if this integration writes that layout's page
+    bytes, else one ``SGLangConfigError`` naming the pair passed, SGLang's resolved pair, the byte
+    order it implies and what to pass instead."""
+    if layout not in SGLANG_LAYOUTS:
+        raise SGLangConfigError(
+            f"--hicache-mem-layout {layout!r} is not one of SGLang 0.5.19's: {', '.join(SGLANG_LAYOUTS)}")
+    if io_backend not in SGLANG_IO_BACKENDS:
+        raise SGLangConfigError(
+            f"--hicache-io-backend {io_backend!r} is not one of SGLang 0.5.19's: {', '.join(SGLANG_IO_BACKENDS)}")
+    resolved = resolve_layout_io(layout, io_backend, backend)
+    if resolved[0] in SUPPORTED_LAYOUTS and resolved[1] in SUPPORTED_IO_BACKENDS:
+        return resolved
+    passed = f"--hicache-mem-layout {layout} --hicache-io-backend {io_backend}"
+    as_resolved = "" if resolved == (layout, io_backend) else \
+        f" (SGLang resolves it to {resolved[0]} + {resolved[1]})"
+    why = ("the Ascend NPU transfer path" if "kernel_ascend" in resolved or resolved[0] == "page_first_kv_split"
+           else f"pages stored in {resolved[0]} byte order {PAGE_BYTE_ORDER[resolved[0]]}")
+    raise SGLangConfigError(
+        f"{passed}{as_resolved} is not supported by kv-lifecycle's decode offload: it needs {why}, this "
+        f"integration writes page_first pages {PAGE_BYTE_ORDER['page_first']}; pass --hicache-mem-layout "
+        f"page_first --hicache-io-backend kernel (its copies do not use SGLang's io backend)")
 
 
 def _setting(bag, name: str, where: str):
