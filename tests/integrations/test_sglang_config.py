@@ -26,7 +26,8 @@ def store_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(path))
     for var in ("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
                 "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO",
-                "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"):
+                "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER",
+                "MOONCAKE_CLIENT", "KV_LIFECYCLE_REQUIRE_CHECKSUM"):
         monkeypatch.delenv(var, raising=False)
     return str(path)
 
@@ -38,8 +39,22 @@ def construct(node, ctx):
 
 
 REFUSED = [
-    ({"backend": "mooncake"}, {}, "hicache-storage-backend 'mooncake'.*supported: file"),
-    ({"backend": None}, {}, "hicache-storage-backend None.*supported: file"),
+    ({"backend": "sim"}, {}, "backend sim cannot be used.*stores keys but no bytes.*supported: file, mooncake"),
+    ({"backend": "hf3fs"}, {}, "backend hf3fs cannot be used.*zero-copy"),
+    ({"backend": "nixl"}, {}, "backend nixl cannot be used.*NotImplementedError"),
+    ({"backend": "shm"}, {}, "backend shm cannot be used"),
+    ({"backend": "dynamic", "extra_config": '{"interface_v1": 1}'}, {}, "dynamic with interface_v1"),
+    ({"backend": "s3"}, {}, "'s3' is not one of SGLang 0.5.19's"),
+    ({"backend": None}, {}, "hicache-storage-backend is not set.*supported: file"),
+    ({"backend": "mooncake"}, {}, "mooncake: no master configured"),
+    ({"backend": "mooncake", "extra_config": '{"master_server_address": "127.0.0.1:1", "tenant_id": "t"}'}, {},
+     "tenant_id 't'"),
+    ({"backend": "mooncake", "extra_config": '{"master_server_address": "127.0.0.1:1", "enable_group_semantics": true}'},
+     {}, "enable_group_semantics"),
+    ({"backend": "mooncake"}, {"MOONCAKE_CLIENT": "127.0.0.1:2"}, "client_server_address.*MOONCAKE_\\* environment"),
+    ({"backend": "mooncake", "extra_config": '{"master_server_address": "127.0.0.1:1", "bogus": 1}'}, {},
+     r"keys \['bogus'\] are not read by SGLang's Mooncake backend"),
+    ({"backend": "aibrix"}, {"KV_LIFECYCLE_REQUIRE_CHECKSUM": "yes"}, "KV_LIFECYCLE_REQUIRE_CHECKSUM='yes'"),
     ({"layout": "layer_first"}, {}, "hicache-mem-layout layer_first --hicache-io-backend kernel is not supported"),
     ({"layout": "page_first_direct"}, {}, "SGLang resolves it to page_first_direct \\+ direct"),
     ({"io_backend": "kernel_ascend"}, {}, "io-backend kernel_ascend is not supported.*Ascend"),

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
+from lifecycle.integrations.sglang import backends
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 
 STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
@@ -34,7 +35,7 @@ FILE_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's default file_path
 SHUTDOWN_TIMEOUT_ENV = "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
-SUPPORTED_BACKENDS = ("file",)
+SUPPORTED_BACKENDS = ("file", "mooncake", "aibrix", "eic", "dynamic")  # see backends.py
 # SGLang 0.5.19's --hicache-mem-layout / --hicache-io-backend choices
 SGLANG_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
 SGLANG_IO_BACKENDS = ("direct", "kernel", "kernel_ascend")
@@ -74,6 +75,8 @@ class OffloadConfig:
     pp_size: int = 1
     extra_config: dict = field(default_factory=dict)
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    require_checksum: bool = False  # KV_LIFECYCLE_REQUIRE_CHECKSUM=1: unsealed pages are misses
+    environ: dict = field(default_factory=dict, repr=False)  # what the backends read (MOONCAKE_*, ...)
 
 
 def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadConfig:
@@ -89,14 +92,13 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise SGLangConfigError(f"get_schedule().page_size must be a positive int, got {page_size!r}")
     backend = _setting(mem, "hicache_storage_backend", "get_memory()")
-    if backend not in SUPPORTED_BACKENDS:
-        raise SGLangConfigError(
-            f"--hicache-storage-backend {backend!r} is not supported by kv-lifecycle's decode offload; "
-            f"supported: {', '.join(SUPPORTED_BACKENDS)}")
+    extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None), backend)
+    refused = backends.refusal(backend, extra)
+    if refused:
+        raise SGLangConfigError(refused)
     layout, io_backend = check_layout_io(
         _setting(mem, "hicache_mem_layout", "get_memory()"), _setting(mem, "hicache_io_backend", "get_memory()"),
         backend)
-    extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None))
     if getattr(parallel, "dcp_enabled", False):
         raise SGLangConfigError("decode context parallel (--dcp-size > 1) is not supported")
     model = getattr(serving, "served_model_name", None)
@@ -111,7 +113,7 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         offload_stride=_stride(env.get(STRIDE_ENV), page_size),
         storage_backend=backend,
         storage_dir=env.get(FILE_DIR_ENV) or FILE_DEFAULT_DIR,
-        capacity_bytes=_file_capacity(extra, env),
+        capacity_bytes=_file_capacity(extra, env) if backend == "file" else None,
         io_backend=io_backend,
         mem_layout=layout,
         host_ratio=ratio,
@@ -121,6 +123,8 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         pp_size=pp_size,
         extra_config=extra,
         shutdown_timeout_s=_shutdown_timeout(env.get(SHUTDOWN_TIMEOUT_ENV)),
+        require_checksum=backends.strict(env),
+        environ=dict(env),
     )
 
 
@@ -194,11 +198,16 @@ def _stride(raw: str | None, page_size: int) -> int:
     return max(page_size, value // page_size * page_size)
 
 
-def _extra_config(raw) -> dict:
+def _extra_config(raw, backend) -> dict:
+    """The extra config as SGLang's HiCache reads it: a JSON object, or ``@FILE`` (.json, .toml,
+    .yaml / .yml). The file backend's keys are checked here, Mooncake's in ``backends``; other
+    backends read their own."""
     if raw is None or raw == "":
         return {}
     if isinstance(raw, dict):
         extra = dict(raw)
+    elif isinstance(raw, str) and raw.startswith("@"):
+        extra = _extra_config_file(raw[1:])
     else:
         try:
             extra = json.loads(raw)
@@ -206,12 +215,38 @@ def _extra_config(raw) -> dict:
             raise SGLangConfigError(f"--hicache-storage-backend-extra-config is not valid JSON: {err}") from None
     if not isinstance(extra, dict):
         raise SGLangConfigError(f"--hicache-storage-backend-extra-config must be a JSON object, got {raw!r}")
+    if backend != "file":
+        return extra
     unknown = sorted(set(extra) - set(FILE_EXTRA_KEYS))
     if unknown:
         raise SGLangConfigError(
             f"--hicache-storage-backend-extra-config keys {unknown} are not supported for the file "
             f"backend; supported: {', '.join(FILE_EXTRA_KEYS)}")
     return extra
+
+
+def _extra_config_file(path: str):
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".json":
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        if ext == ".toml":
+            import tomllib  # noqa: PLC0415
+
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        if ext in (".yaml", ".yml"):
+            import yaml  # noqa: PLC0415 (SGLang installs PyYAML)
+
+            with open(path, encoding="utf-8") as f:
+                return yaml.safe_load(f)
+    except ImportError as err:
+        raise SGLangConfigError(f"--hicache-storage-backend-extra-config @{path}: {err}") from None
+    except Exception as err:  # noqa: BLE001 (any parse or read failure: one line)
+        raise SGLangConfigError(f"--hicache-storage-backend-extra-config @{path} cannot be read: {err}") from None
+    raise SGLangConfigError(
+        f"--hicache-storage-backend-extra-config @{path}: unsupported config format {ext!r} (.json, .toml, .yaml)")
 
 
 def _file_capacity(extra: dict, env: Mapping[str, str]) -> int | None:

@@ -19,7 +19,7 @@ from lifecycle.integrations.sglang.device_pool import LayeredKVPool, from_sglang
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 from lifecycle.integrations.sglang.layered_copy import make_layered_copy_engine
 from lifecycle.integrations.sglang.release import SGLangReleaseSink
-from lifecycle.integrations.sglang.storage import open_storage
+from lifecycle.integrations.sglang.storage import open_storage, plan_storage
 from lifecycle.log import get_logger
 from lifecycle.manager import DecodeOffloadManager
 from lifecycle.states import State
@@ -80,9 +80,10 @@ class DecodeKVCacheOffloadManager:
         device = from_sglang(kv_cache)
         tp_rank, tp_size = _tp_rank_size(tp_group)
         sink = SGLangReleaseSink(tree_cache, req_to_token_pool)
+        plan = plan_storage(config, tp_rank, tp_size, device.mla)
         host = HostPool(device.layers, device.heads, device.head_dim, device.dtype, config.page_size,
                         _host_tokens(config, kv_cache, device), mla=device.mla)
-        storage = open_storage(config, host, tp_rank, tp_size, device.mla)
+        storage = open_storage(config, host, tp_rank, tp_size, device.mla, plan)
         offloader = audit = None
         try:
             audit = open_audit_trail(tp_rank, config.pp_rank)

@@ -3,6 +3,8 @@
 ``file``: our ``FileStorage`` (HiCacheFile-compatible names and raw page bytes) in the directory
 SGLang's ``HiCacheFile`` uses (``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``, default
 ``/tmp/hicache``), with SGLang's key suffix (``hashing.storage_suffix``) and byte cap.
+``mooncake``: our ``MooncakeStorage`` configured as SGLang's MooncakeStore is; the others:
+``backends.SGLangBackendStorage`` over SGLang's own backend object (see ``backends``).
 
 MLA KV is the same on every TP rank; as in SGLang (``HiCacheController.backup_skip``), only rank 0
 writes it: other ranks get a ``ReplicaStorage`` whose writes are counted ``skipped`` and succeed
@@ -16,12 +18,13 @@ from collections.abc import Sequence
 import torch
 
 import hashing
-from transfer.errors import StorageUnavailable
+from transfer.errors import StorageUnavailable, TransferError
 from transfer.host_pool import HostPool
 from transfer.stack import page_format
 from transfer.storage.base import Storage, StorageStats, check_batch
 from transfer.storage.file import FileStorage
 
+from lifecycle.integrations.sglang import backends
 from lifecycle.integrations.sglang.config import OffloadConfig
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 
@@ -69,27 +72,79 @@ class ReplicaStorage(Storage):
         self.reader.close()
 
 
-def open_storage(config: OffloadConfig, host: HostPool, tp_rank: int, tp_size: int, mla: bool) -> Storage:
-    """The configured store for this rank, for pages of ``host`` (sealed as page-first pages of
-    its dtype and shape, as ``transfer.build_stack`` seals them).
+class StoragePlan:
+    """The store a rank will open, checked before any host pool, directory or thread exists."""
+
+    def __init__(self, config: OffloadConfig, suffix: str, owner: bool, *, mooncake=None, sglang_config=None):
+        self.config, self.suffix, self.owner = config, suffix, owner
+        self.mooncake, self.sglang_config = mooncake, sglang_config
+
+
+def plan_storage(config: OffloadConfig, tp_rank: int, tp_size: int, mla: bool) -> StoragePlan:
+    """Check everything the configured backend needs for this rank (see ``backends``).
 
     Raises:
-        SGLangConfigError: an unsupported backend, or a directory that cannot be written.
+        SGLangConfigError: a backend refused, a setting it cannot honour, its client missing.
     """
-    if config.storage_backend != "file":  # read_config refuses these first; kept for direct callers
-        raise SGLangConfigError(f"storage backend {config.storage_backend!r} is not supported; supported: file")
+    refused = backends.refusal(config.storage_backend, config.extra_config)
+    if refused:  # read_config refuses these first; kept for direct callers
+        raise SGLangConfigError(refused)
     try:
         suffix = hashing.storage_suffix(config.model_name, tp_rank, tp_size, is_mla=mla,
                                         pp_rank=config.pp_rank, pp_size=config.pp_size)
     except ValueError as err:
         raise SGLangConfigError(f"storage key suffix: {err}") from None
-    owner = not mla or tp_rank == 0
+    owner = not mla or tp_rank == 0  # SGLang's backup_skip: replicated (MLA) pages from rank 0 only
+    backend = config.storage_backend
+    if backend == "file":
+        return StoragePlan(config, suffix, owner)
+    if backend == "mooncake":
+        settings = backends.mooncake_settings(
+            config.extra_config, config.environ, tp_rank=tp_rank, tp_size=tp_size, pp_rank=config.pp_rank,
+            pp_size=config.pp_size, model=config.model_name, mla=mla, require_checksum=config.require_checksum)
+        return StoragePlan(config, suffix, owner, mooncake=settings)
     try:
-        store = FileStorage(config.storage_dir, suffix, host.page_nbytes,
-                            capacity_bytes=config.capacity_bytes if owner else None,
-                            page_format=page_format(host))
-    except StorageUnavailable as err:
+        sglang_config = backends.storage_config(
+            tp_rank=tp_rank, tp_size=tp_size, pp_rank=config.pp_rank, pp_size=config.pp_size, mla=mla,
+            model=config.model_name, extra=config.extra_config)
+    except ImportError as err:
         raise SGLangConfigError(
-            f"file backend directory {config.storage_dir!r} is not writable "
-            f"(SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR): {err}") from err
-    return store if owner else ReplicaStorage(store)
+            f"--hicache-storage-backend {backend}: goes through SGLang's own StorageBackendFactory, "
+            f"and sglang does not import ({err})") from err
+    return StoragePlan(config, suffix, owner, sglang_config=sglang_config)
+
+
+def open_storage(config: OffloadConfig, host: HostPool, tp_rank: int, tp_size: int, mla: bool,
+                 plan: StoragePlan | None = None, factory=None) -> Storage:
+    """The configured store for this rank, for pages of ``host`` (sealed as page-first pages of
+    its dtype and shape, as ``transfer.build_stack`` seals them). Ranks that do not own
+    replicated (MLA) pages get a ``ReplicaStorage``: they succeed without writing.
+
+    Raises:
+        SGLangConfigError: see ``plan_storage``; a directory that cannot be written; a Mooncake
+            master that cannot be reached; a backend SGLang's factory could not build.
+    """
+    plan = plan or plan_storage(config, tp_rank, tp_size, mla)
+    fmt = page_format(host)
+    if config.storage_backend == "file":
+        try:
+            store = FileStorage(config.storage_dir, plan.suffix, host.page_nbytes,
+                                capacity_bytes=config.capacity_bytes if plan.owner else None,
+                                page_format=fmt, require_checksum=config.require_checksum)
+        except StorageUnavailable as err:
+            raise SGLangConfigError(
+                f"file backend directory {config.storage_dir!r} is not writable "
+                f"(SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR): {err}") from err
+    elif plan.mooncake is not None:
+        from transfer.storage.mooncake import MooncakeStorage  # noqa: PLC0415 (Mooncake is optional)
+
+        try:
+            store = MooncakeStorage(plan.mooncake, plan.suffix, host.page_nbytes, page_format=fmt,
+                                    require_checksum=config.require_checksum)
+        except TransferError as err:
+            raise SGLangConfigError(f"--hicache-storage-backend mooncake: {err}") from err
+    else:
+        backend = backends.build_sglang_backend(config.storage_backend, plan.sglang_config, host, factory)
+        store = backends.SGLangBackendStorage(backend, config.storage_backend, plan.suffix, host.page_nbytes,
+                                              page_format=fmt, require_checksum=config.require_checksum)
+    return store if plan.owner else ReplicaStorage(store)
