@@ -14,7 +14,9 @@ from lifecycle import ConfigError, InvalidTransition
 from lifecycle.release import ReleaseRefused
 from lifecycle.integrations.sglang import DecodeKVCacheOffloadManager, use_runtime
 from lifecycle_tools.testkit.sglang_doubles import runtime_context
-from tests.integrations.sglang_kit import Node, doubles_kit, hicache_file_get, hicache_file_suffix, sglang_kit
+from tests.integrations.sglang_kit import (
+    Node, doubles_kit, hicache_file_get, hicache_file_suffix, require_sglang, sglang_kit,
+)
 
 MODEL = "org/Model-7B"
 
@@ -22,10 +24,8 @@ MODEL = "org/Model-7B"
 def _kit(name):
     if name == "doubles":
         return doubles_kit()
-    try:
-        return sglang_kit()
-    except ImportError as err:
-        pytest.skip(f"sglang is not importable here ({err}); the doubles run instead")
+    require_sglang()  # skips without sglang (the doubles run instead), fails under KV_LIFECYCLE_REQUIRE_SGLANG=1
+    return sglang_kit()
 
 
 @pytest.fixture(params=["doubles", "sglang"])
@@ -371,11 +371,9 @@ def test_sglangs_own_file_backend_finds_and_reads_the_pages(store_dir, mla):
     """Where sglang is importable: SGLang's HiCacheFile (in the directory from its env var, with its
     own suffix) and its own hash chain (``get_hash_str``, as ``_compute_prefix_hash`` chains it)
     find every page the integration stored, byte for byte."""
-    try:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
-        from sglang.srt.mem_cache.utils import get_hash_str
-    except ImportError as err:
-        pytest.skip(f"sglang is not importable here ({err})")
+    require_sglang()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.utils import get_hash_str
     node = Node(sglang_kit(), mla=mla)
     mgr = build(node)
     reqs = run_decode(node, mgr, [("a", list(range(10, 23)), 11, 0), ("b", [3] * 9, 10, 0)])
