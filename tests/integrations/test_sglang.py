@@ -65,10 +65,10 @@ def expected_pages(node: Node, req, stride: int):
     """(page hash, bytes) of every page the decode side offloads: whole strides after the prompt's
     page-aligned part, over prompt + outputs whose KV was committed."""
     ps = node.ps
-    tokens = req.origin_input_ids + req.output_ids[:-1]
+    tokens = list(req.origin_input_ids) + list(req.output_ids[:-1])  # SGLang's Req: an array of outputs
     prefill = len(req.origin_input_ids) // ps * ps
     n = (len(tokens) - prefill) // stride * stride
-    prior = page_hashes(req.origin_input_ids[:prefill], ps)
+    prior = page_hashes(tokens[:prefill], ps)
     hashes = page_hashes(tokens[prefill:prefill + n], ps, prior[-1] if prior else None)
     return [(h, node.page_bytes(req.rid, prefill + i * ps)) for i, h in enumerate(hashes)]
 

@@ -71,7 +71,6 @@ REFUSED = [
     ({"dcp_enabled": True}, {}, "decode context parallel"),
     ({"model": ""}, {}, "served_model_name"),
     ({"ratio": 0, "size_gb": 0}, {}, "hicache-ratio"),
-    ({"ratio": None}, {}, "hicache-ratio"),
     ({"size_gb": -1}, {}, "hicache-size"),
     ({"page_size": 0}, {}, "page_size"),
     ({"pp_rank": 2, "pp_size": 2}, {}, "pp_rank"),
@@ -269,3 +268,10 @@ def test_the_resolution_is_sglangs_own(backend):
             resolve_storage_layout_compatibility(args)
             view = resolved_view(args)
             assert resolve_layout_io(layout, io, backend) == (view.hicache_mem_layout, view.hicache_io_backend)
+
+
+def test_an_unset_hicache_ratio_on_a_decode_server_is_sglangs_2(store_dir):
+    """SGLang 0.5.19 leaves ``--hicache-ratio`` unset on a decode server (``handle_hicache_ratio_default``
+    skips decode) and its ``kv_cache_builder`` resolves it to 2.0 when decode offload is on."""
+    config = read_config(runtime_context(page_size=4, ratio=None), {})
+    assert (config.host_ratio, config.host_size_gb) == (2.0, 0.0)

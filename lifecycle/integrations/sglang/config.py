@@ -34,6 +34,8 @@ FILE_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's default file_path
 # ours: how long release_host_resources() drains accepted copies and storage writes at shutdown
 SHUTDOWN_TIMEOUT_ENV = "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# --hicache-ratio unset on a decode server with decode offload: SGLang's kv_cache_builder makes it 2.0
+DECODE_OFFLOAD_HICACHE_RATIO = 2.0
 
 SUPPORTED_BACKENDS = ("file", "mooncake", "aibrix", "eic", "dynamic")  # see backends.py
 # SGLang 0.5.19's --hicache-mem-layout / --hicache-io-backend choices
@@ -314,6 +316,8 @@ def _host_size(mem) -> tuple[float | None, float]:
         raise SGLangConfigError(f"--hicache-size must be a non-negative number of GB, got {size_gb!r}")
     if size_gb > 0:
         return ratio, float(size_gb)
+    if ratio is None:  # a decode server: SGLang's kv_cache_builder resolves it, 2.0 with decode offload
+        return DECODE_OFFLOAD_HICACHE_RATIO, 0.0
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio > 0:
         raise SGLangConfigError(f"--hicache-ratio must be > 0 when --hicache-size is 0, got {ratio!r}")
     return float(ratio), 0.0
