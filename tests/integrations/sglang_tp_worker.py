@@ -56,8 +56,8 @@ def _kit():
         return doubles_kit()
 
 
-def run(rank: int, group, mla: bool) -> dict:
-    node = Node(_kit(), mla=mla)
+def run(rank: int, group, mla: bool, kit) -> dict:
+    node = Node(kit, mla=mla)
     full_pages, full_rows = node.alloc.available_size(), node.pool.available_size()
     with use_runtime(runtime_context(page_size=node.ps, model=MODEL)):
         mgr = DecodeKVCacheOffloadManager(req_to_token_pool=node.pool, token_to_kv_pool_allocator=node.alloc,
@@ -90,6 +90,7 @@ def run(rank: int, group, mla: bool) -> dict:
 
 
 def main(rank: int, port: int, store: str, out: str) -> None:
+    kit = _kit()  # imported before the process group exists: sglang's import takes a while
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     try:
@@ -97,7 +98,7 @@ def main(rank: int, port: int, store: str, out: str) -> None:
         results = {}
         for mla in (False, True):
             os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = os.path.join(store, "mla" if mla else "mha")
-            results["mla" if mla else "mha"] = run(rank, group, mla)
+            results["mla" if mla else "mha"] = run(rank, group, mla, kit)
             dist.barrier()
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
