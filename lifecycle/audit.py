@@ -20,4 +20,5 @@ ALL = (TRANSITION, CHUNK_ENQUEUED, CHUNK_LANDED, HOST_SHORT, STORED, RELEASED, L
        COPY_FAILED, COPY_EXPIRED, EXPIRED_COPY_ENDED)
 HOST_SHORT_SUMMARY = "lifecycle.host_short_summary"  # refused, total, interval_s (a WARNING, rate-limited)
 ABANDONED = "lifecycle.abandoned"          # pending, acks, copies, held_slots, quarantined_slots, why (shutdown(force=True))
-ALL = ALL + (HOST_SHORT_SUMMARY, ABANDONED)
+DRAIN_STOPPED = "lifecycle.drain_stopped"  # error (shutdown(force=True): a progress check raised while draining)
+ALL = ALL + (HOST_SHORT_SUMMARY, ABANDONED, DRAIN_STOPPED)

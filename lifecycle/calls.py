@@ -9,6 +9,7 @@ import functools
 import inspect
 import logging
 import math
+import time
 
 from lifecycle import audit, integrity, settle
 from lifecycle.errors import InvalidArgument, InvalidTransition, LifecycleError, ManagerClosed, ReentrantCall
@@ -103,6 +104,8 @@ def shutdown(mgr, force: bool, timeout_s: float):
             f"shutdown: timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}; nothing was closed")
     if mgr._gate == CLOSED:
         return integrity.pending(mgr)
+    if force and mgr._gate is None:
+        drain(mgr, timeout_s)
     mgr._enter()
     try:
         settle.collect(mgr)
@@ -111,6 +114,7 @@ def shutdown(mgr, force: bool, timeout_s: float):
         if busy and not force:
             raise LifecycleError(f"shutdown refused: {pending.describe()}")
         if busy:
+            mgr._abandoned += pending.copies + pending.storage_ops
             mgr._emit(mgr._log.error, audit.ABANDONED, pending=pending.describe(),
                       acks=sorted(mgr._ongoing),
                       copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in mgr._ongoing.items()],
@@ -128,3 +132,41 @@ def shutdown(mgr, force: bool, timeout_s: float):
         if getattr(report, "clean", True) is False:
             mgr._log.error(audit.ABANDONED, pending=str(report))
     return pending
+
+
+DRAIN_POLL_S = 0.001
+
+
+def drain(mgr, timeout_s: float | None) -> bool:
+    """``shutdown(force=True)``'s first step: settle landed copies, submit their storage writes and
+    wait for those, releasing finished requests, until nothing is in flight or ``timeout_s``
+    seconds have passed (None: no bound). With a ``tp_group`` every rank runs the same number of
+    progress checks: each round ends with one agreement (MAX) on "still busy" and "bound reached".
+
+    Returns:
+        True when the manager is idle. A progress check that raises ends the drain (logged once as
+        ``lifecycle.drain_stopped``); what is still pending is then abandoned by ``shutdown``.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + max(0.0, float(timeout_s))
+    while True:
+        try:
+            mgr.check_offload_progress()
+        except Exception as err:  # noqa: BLE001 (shutdown never raises for pending work)
+            mgr._log.error(audit.DRAIN_STOPPED, error=repr(err))
+            return mgr.idle()
+        busy = not mgr.idle()
+        expired = deadline is not None and time.monotonic() >= deadline
+        if mgr.tp_group is not None:
+            busy, expired = _agree_busy(mgr, busy, expired)
+        if not busy or expired:
+            return not busy
+        time.sleep(DRAIN_POLL_S)
+
+
+def _agree_busy(mgr, busy: bool, expired: bool) -> tuple[bool, bool]:
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.tensor([int(busy), int(expired)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=mgr.tp_group)
+    return bool(flags[0]), bool(flags[1])

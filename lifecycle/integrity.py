@@ -66,6 +66,7 @@ def stats(mgr) -> Stats:
         quarantined_slots=sum(q.slots.numel() for q in list(mgr._expired.values())),
         unsettled=len(mgr._landed) + len(mgr._stored),
         transitions=dict(mgr._by_event),
+        abandoned=mgr._abandoned,
     )
 
 

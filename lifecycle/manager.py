@@ -101,6 +101,7 @@ class DecodeOffloadManager(CallGate):
         self._copies_expired = self._copy_failures = 0
         self._by_event: dict[str, int] = {}  # state changes by trigger (work.record_transition)
         self._refusals: dict[str, int] = {}  # refused calls by "TRIGGER in STATE" (calls._count_refusal)
+        self._abandoned = 0  # copies + storage ops a forced shutdown's bound cut off
         self._host_short_warned_at, self._host_short_since_warning = None, 0
         self._fire = {name: event.trigger for name, event in EVENTS.items()}
         table.OFFLOADERS.claim(offloader, self)
@@ -257,6 +258,13 @@ class DecodeOffloadManager(CallGate):
         rec = table.lookup(self, req)
         return None if rec is None else rec.state
 
+    def copies_of(self, req) -> list[int]:
+        """Ack ids of the request's copies in flight (issue order); [] for an unseen request."""
+        rec = table.lookup(self, req)
+        if rec is None or not rec.inflight:
+            return []
+        return [ack for ack, chunk in self._ongoing.items() if chunk.rec is rec]
+
     def progress_of(self, req) -> OffloadedState | None:
         """A copy of the request's offload progress (``inc_len``, ``last_hash``), or None."""
         rec = table.lookup(self, req)
@@ -311,12 +319,17 @@ class DecodeOffloadManager(CallGate):
         """Stop accepting calls and release the offloader's resources, in bounded time.
 
         Completions already reported are collected first (not settled), so the refusal says what
-        is really pending. With ``force``, pending copies are abandoned: their slots stay allocated
-        (never freed under a copy that may still read them) and are reported in the log.
+        is really pending. With ``force``, accepted work is drained first, for at most
+        ``timeout_s``: landed copies are settled, their storage writes submitted and waited for,
+        finished requests released (``calls.drain``; with a ``tp_group`` every rank drains in
+        step). What is still pending then is abandoned: its slots stay allocated (never freed under
+        a copy that may still read them), it is logged once (``lifecycle.abandoned``) and counted
+        (``stats().abandoned``).
 
         Args:
-            force: shut down even with work pending.
-            timeout_s: bound passed to the offloader's ``close`` when it takes one (default 5 s).
+            force: shut down even with work pending (after draining it for up to ``timeout_s``).
+            timeout_s: the drain's bound, and the bound passed to the offloader's ``close`` when it
+                takes one (default 5 s).
         Returns:
             What was pending when the manager closed.
         Raises:

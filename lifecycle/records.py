@@ -111,6 +111,7 @@ class Stats(msgspec.Struct):
     quarantined_slots: int = 0
     unsettled: int = 0  # completions reported by the offloader, not settled yet (check_offload_progress)
     transitions: dict[str, int] = msgspec.field(default_factory=dict)  # state changes by trigger
+    abandoned: int = 0  # copies and storage ops still in flight when shutdown(force=True)'s bound ran out
 
 
 class RecordView(msgspec.Struct):

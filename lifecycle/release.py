@@ -70,7 +70,9 @@ class ReleaseSink(Protocol):
 
     def check(self, plan: ReleasePlan) -> None: ...
 
-    def free(self, plan: ReleasePlan) -> None: ...
+    def free(self, plan: ReleasePlan) -> bool | None: ...
+    # returns False when it freed nothing because the scheduler frees this request's KV itself:
+    # slots quarantined by an expired copy then stay the scheduler's (never freed by the manager)
 
 
 def _probe(obj, name):

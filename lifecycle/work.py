@@ -69,10 +69,10 @@ def free_memory(fire) -> None:
     """Before ``release``: execute the validated ``ReleasePlan`` through the release sink (all
     slots, minus quarantined ones, and the row, in one call), then account for it."""
     mgr, rec, plan = fire.kwargs["mgr"], fire.model, fire.kwargs["plan"]
-    mgr.release_sink.free(plan)
+    freed = mgr.release_sink.free(plan)
     for ack in rec.expired or ():
         q = mgr._expired.get(ack)
-        if q is not None:
+        if q is not None and freed is not False:  # False: the sink freed nothing (another owner frees)
             q.released = True
     rec.expired = None
     mgr._released += 1

@@ -299,9 +299,10 @@ class HostOffloader:
         The copy may still be reading its device slots: keep them until ``finished_writes``
         reports the same ack (then it is also in ``failed_writes``). Never blocks.
         """
+        out = []
         if not self._deadlines:
-            return []
-        now, out = self._clock(), []
+            return out
+        now = self._clock()
         for ack, deadline in list(self._deadlines.items()):
             if now >= deadline:
                 del self._deadlines[ack]
@@ -338,6 +339,21 @@ class HostOffloader:
         self._poisoned.update(entry[0])
         self._stats.copies_discarded += 1
         log.warning("offloader.copy_discarded", ack_id=ack_id, pages=len(entry[0]))
+
+    def expire(self, ack_ids: Sequence[int]) -> list[int]:
+        """``discard_write`` for each of ``ack_ids`` still in flight and not yet expired or
+        discarded (the others are skipped): the caller stops waiting for them now, before any
+        deadline, because the device slots they read are being freed by someone else.
+
+        Returns:
+            The ids discarded by this call.
+        """
+        done = []
+        for ack in ack_ids:
+            if ack in self._writes and ack not in self._expired_acks and ack not in self._discarded:
+                self.discard_write(ack)
+                done.append(ack)
+        return done
 
     # -- host -> storage ----------------------------------------------------------------------
     def write_storage(

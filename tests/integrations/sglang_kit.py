@@ -155,3 +155,19 @@ def hicache_file_get(directory: str, key: str, suffix: str, nbytes: int) -> byte
     except FileNotFoundError:
         return None
     return data if len(data) == nbytes else None
+
+
+REQUIRE_ENV = "KV_LIFECYCLE_REQUIRE_SGLANG"
+
+
+def require_sglang() -> None:
+    """Skip the calling test when sglang does not import here, unless ``KV_LIFECYCLE_REQUIRE_SGLANG=1``
+    (set by ``.ci/sglang-env``): then a missing sglang fails the test instead of skipping it."""
+    import pytest
+
+    try:
+        import sglang.srt.mem_cache.memory_pool  # noqa: F401
+    except ImportError as err:
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but sglang does not import: {err}")
+        pytest.skip(f"sglang is not importable here ({err})")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lifecycle.integrations.sglang import DecodeKVCacheOffloadManager, use_runtime
 from lifecycle.integrations.sglang.install import _release_hook
 from lifecycle_tools.testkit.sglang_doubles import release_kv_cache, runtime_context
-from tests.integrations.sglang_kit import Node, doubles_kit
+from tests.integrations.sglang_kit import Node, doubles_kit, sglang_kit
 
 MODEL = "org/M"
 
@@ -48,8 +48,16 @@ def _drain(mgr) -> None:
         time.sleep(0.001)
 
 
-def run(rank: int, group, mla: bool) -> dict:
-    node = Node(doubles_kit(), mla=mla)
+def _kit():
+    """SGLang's own pools and allocator where sglang imports (``.ci/sglang-env``), else the doubles."""
+    try:
+        return sglang_kit()
+    except ImportError:
+        return doubles_kit()
+
+
+def run(rank: int, group, mla: bool, kit) -> dict:
+    node = Node(kit, mla=mla)
     full_pages, full_rows = node.alloc.available_size(), node.pool.available_size()
     with use_runtime(runtime_context(page_size=node.ps, model=MODEL)):
         mgr = DecodeKVCacheOffloadManager(req_to_token_pool=node.pool, token_to_kv_pool_allocator=node.alloc,
@@ -75,13 +83,14 @@ def run(rank: int, group, mla: bool) -> dict:
         "tp": [mgr.tp_rank, mgr.tp_world_size], "released": stats.released, "leaked": stats.leaked,
         "tracked": stats.tracked, "pages": stats.pages_enqueued,
         "pages_back": node.alloc.available_size() == full_pages, "rows_back": node.pool.available_size() == full_rows,
-        "skipped": mgr.storage.stats().skipped,
+        "skipped": mgr.storage.stats().skipped, "kit": node.kit.name,
     }
     mgr.release_host_resources()
     return result
 
 
 def main(rank: int, port: int, store: str, out: str) -> None:
+    kit = _kit()  # imported before the process group exists: sglang's import takes a while
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     try:
@@ -89,7 +98,7 @@ def main(rank: int, port: int, store: str, out: str) -> None:
         results = {}
         for mla in (False, True):
             os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = os.path.join(store, "mla" if mla else "mha")
-            results["mla" if mla else "mha"] = run(rank, group, mla)
+            results["mla" if mla else "mha"] = run(rank, group, mla, kit)
             dist.barrier()
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)

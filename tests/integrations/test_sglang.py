@@ -14,7 +14,9 @@ from lifecycle import ConfigError, InvalidTransition
 from lifecycle.release import ReleaseRefused
 from lifecycle.integrations.sglang import DecodeKVCacheOffloadManager, use_runtime
 from lifecycle_tools.testkit.sglang_doubles import runtime_context
-from tests.integrations.sglang_kit import Node, doubles_kit, hicache_file_get, hicache_file_suffix, sglang_kit
+from tests.integrations.sglang_kit import (
+    Node, doubles_kit, hicache_file_get, hicache_file_suffix, require_sglang, sglang_kit,
+)
 
 MODEL = "org/Model-7B"
 
@@ -22,10 +24,8 @@ MODEL = "org/Model-7B"
 def _kit(name):
     if name == "doubles":
         return doubles_kit()
-    try:
-        return sglang_kit()
-    except ImportError as err:
-        pytest.skip(f"sglang is not importable here ({err}); the doubles run instead")
+    require_sglang()  # skips without sglang (the doubles run instead), fails under KV_LIFECYCLE_REQUIRE_SGLANG=1
+    return sglang_kit()
 
 
 @pytest.fixture(params=["doubles", "sglang"])
@@ -65,10 +65,10 @@ def expected_pages(node: Node, req, stride: int):
     """(page hash, bytes) of every page the decode side offloads: whole strides after the prompt's
     page-aligned part, over prompt + outputs whose KV was committed."""
     ps = node.ps
-    tokens = req.origin_input_ids + req.output_ids[:-1]
+    tokens = list(req.origin_input_ids) + list(req.output_ids[:-1])  # SGLang's Req: an array of outputs
     prefill = len(req.origin_input_ids) // ps * ps
     n = (len(tokens) - prefill) // stride * stride
-    prior = page_hashes(req.origin_input_ids[:prefill], ps)
+    prior = page_hashes(tokens[:prefill], ps)
     hashes = page_hashes(tokens[prefill:prefill + n], ps, prior[-1] if prior else None)
     return [(h, node.page_bytes(req.rid, prefill + i * ps)) for i, h in enumerate(hashes)]
 
@@ -185,8 +185,8 @@ def test_a_refused_release_changes_nothing(store_dir):
 
 def test_config_errors_are_lifecycle_config_errors(store_dir):
     node = Node(doubles_kit())
-    with pytest.raises(ConfigError, match="supported: file"):
-        build(node, backend="mooncake")
+    with pytest.raises(ConfigError, match="backend sim cannot be used.*supported: file"):
+        build(node, backend="sim")
     assert not os.path.exists(store_dir)
     torch.testing.assert_close(node.kv.k_buffer[0], torch.zeros_like(node.kv.k_buffer[0]))
 
@@ -322,11 +322,13 @@ def test_with_tp_1_a_release_waits_at_most_the_bound_then_sglang_frees(store_dir
     assert mgr.offload_kv_cache(req)
     with structlog.testing.capture_logs() as logs:
         _release_hook(release_kv_cache)(req, node.tree, is_insert=False)
-    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
-        "lifecycle.copy_expired", "sglang.release_under_copy"]  # the copy discarded: expired at once
+    errors = [e["event"] for e in logs if e["log_level"] == "error"]
+    assert errors[0] == "sglang.release_under_copy" and errors.count("lifecycle.copy_expired") == 1
     assert req.kv.req_pool_idx is None  # SGLang freed, as it would without us
+    assert mgr.manager.state_of(req).name == "RELEASED"
     mgr.offloader.engine.poll = poll
     node.drain(mgr)
+    assert os.listdir(store_dir) == []  # the expired copy read slots SGLang freed: never stored
     mgr.release_host_resources()
 
 
@@ -358,7 +360,7 @@ def test_audit_trail_keeps_sglangs_console_at_info(store_dir, tmp_path, monkeypa
 
 def test_host_pool_from_hicache_size_in_gb(store_dir):
     node = Node(doubles_kit())
-    mgr = build(node, size_gb=0.001, ratio=None, io_backend="direct")
+    mgr = build(node, size_gb=0.001, ratio=None)
     per_token = 2 * node.layers * node.heads * node.dim * 2
     assert mgr.decode_host_mem_pool.size == (int(0.001 * 1e9 // per_token) // 4 + 1) * 4
     mgr.release_host_resources()
@@ -369,11 +371,9 @@ def test_sglangs_own_file_backend_finds_and_reads_the_pages(store_dir, mla):
     """Where sglang is importable: SGLang's HiCacheFile (in the directory from its env var, with its
     own suffix) and its own hash chain (``get_hash_str``, as ``_compute_prefix_hash`` chains it)
     find every page the integration stored, byte for byte."""
-    try:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
-        from sglang.srt.mem_cache.utils import get_hash_str
-    except ImportError as err:
-        pytest.skip(f"sglang is not importable here ({err})")
+    require_sglang()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
+    from sglang.srt.mem_cache.utils import get_hash_str
     node = Node(sglang_kit(), mla=mla)
     mgr = build(node)
     reqs = run_decode(node, mgr, [("a", list(range(10, 23)), 11, 0), ("b", [3] * 9, 10, 0)])
@@ -476,3 +476,120 @@ def test_sglangs_console_at_info_gets_no_line_per_request(store_dir, stdlib_logg
     assert mgr.manager.stats().released == 6
     assert [r.getMessage() for r in ours if "rid" in getattr(r, "event_dict", {})] == []
     assert len(ours) <= 2, [r.getMessage() for r in ours]   # enabled, host resources released
+
+
+def _a_finished_request_with_a_copy_accepted(node, mgr, rid="late"):
+    req = node.admit(rid, list(range(4)), 30)
+    for _ in range(4):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(7)
+    assert mgr.offload_kv_cache(req)  # accepted: one page, prompt boundary 4 .. 8
+    req.finished_reason = "abort"
+    mgr.finalize_release_on_finish(req)  # released when the copy lands
+    return req
+
+
+def test_release_host_resources_stores_what_it_accepted_and_empties_ongoing_offload(kit, store_dir):
+    """Issue 20, point 3: a copy accepted just before shutdown lands, is written to storage and its
+    request released through SGLang's tree cache; nothing is cut off."""
+    node = Node(kit, page_size=4)
+    free_pages, free_rows = node.alloc.available_size(), node.pool.available_size()
+    mgr = build(node)
+    req = _a_finished_request_with_a_copy_accepted(node, mgr)
+    mgr.release_host_resources()  # at once: no progress check in between
+    assert len(mgr.ongoing_offload) == 0
+    stats = mgr.stats()
+    assert (stats.released, stats.abandoned, stats.inflight_writes, stats.inflight_storage) == (1, 0, 0, 0)
+    assert req.kv.req_pool_idx is None
+    assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
+    want = expected_pages(node, req, mgr.offload_stride)
+    suffix = hicache_file_suffix(MODEL, 0, 1, False)
+    assert len(want) == 1 and os.listdir(store_dir) == [f"{want[0][0]}{suffix}.bin"]
+    assert hicache_file_get(store_dir, want[0][0], suffix, mgr.decode_host_mem_pool.page_nbytes) == want[0][1]
+
+
+def test_release_host_resources_bound_is_configurable_and_what_it_cuts_off_is_logged_once_and_counted(
+        store_dir, monkeypatch):
+    import structlog
+
+    monkeypatch.setenv("KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S", "0.1")
+    node = Node(doubles_kit(), page_size=4)
+    mgr = build(node)
+    assert mgr.config.shutdown_timeout_s == 0.1
+    free_pages = node.alloc.available_size()
+    req = _a_finished_request_with_a_copy_accepted(node, mgr, "stuck")
+    mgr.offloader.engine.poll = lambda: []  # the copy never reports: a stuck copy
+    with structlog.testing.capture_logs() as logs:
+        mgr.release_host_resources()
+    cut = [e for e in logs if e["event"] == "lifecycle.abandoned"]
+    assert len(cut) == 1 and cut[0]["log_level"] == "error" and cut[0]["copies"] == [("stuck", 1, 4, 8)]
+    assert mgr.stats().abandoned == 1 and len(mgr.ongoing_offload) == 0
+    assert req.kv.req_pool_idx is not None  # never freed under the copy that may still read it
+    assert node.alloc.available_size() < free_pages
+    assert os.listdir(store_dir) == []
+
+
+def _retracted_after_the_wait_expired(node, mgr, rid):
+    """A decoding request with a copy that never reports, retracted by SGLang (release_kv_cache):
+    the TP=1 wait expires and SGLang frees its slots and row."""
+    from lifecycle.integrations.sglang.install import _release_hook
+    from lifecycle_tools.testkit.sglang_doubles import release_kv_cache
+
+    mgr.SGLANG_RELEASE_WAIT_S = 0.05
+    req = node.admit(rid, list(range(10)), 24)
+    for _ in range(6):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(2000 + req.kv.kv_committed_len)
+    poll = mgr.offloader.engine.poll
+    mgr.offloader.engine.poll = lambda: []  # the copy never reports while SGLang waits
+    assert mgr.offload_kv_cache(req)
+    _release_hook(release_kv_cache)(req, node.tree, is_insert=False)  # retract_decode
+    req.reset_for_retract()
+    mgr.offloader.engine.poll = poll
+    return req
+
+
+def test_resume_after_the_tp1_release_wait_expired_starts_a_new_lifecycle(kit, store_dir):
+    """Issue 20, point 4: no InvalidRequest into SGLang's loop; the resumed request is offloaded
+    and released in a new lifecycle, every slot and row comes back once, and only bytes read from
+    slots SGLang still held are stored."""
+    node = Node(kit, page_size=4)
+    free_pages, free_rows = node.alloc.available_size(), node.pool.available_size()
+    mgr = build(node)
+    req = _retracted_after_the_wait_expired(node, mgr, "r")
+    assert req.kv.req_pool_idx is None and node.alloc.available_size() == free_pages
+    # resume_retracted_reqs: a new row, the KV restored, decoding goes on
+    node.pool.alloc([req])
+    node._grow(req, len(req.origin_input_ids) + len(req.output_ids) - 1)
+    running = [req]
+    while running:
+        running = node.decode_step(mgr, running)
+    node.drain(mgr)
+    mgr.check_integrity()
+    stats = mgr.stats()
+    assert (stats.released, stats.leaked, stats.tracked, stats.copies_expired) == (2, 0, 0, 1)
+    assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
+    assert node.tree.protected_size_ == 0
+    want = expected_pages(node, req, mgr.offload_stride)
+    suffix = hicache_file_suffix(MODEL, 0, 1, False)
+    assert sorted(os.listdir(store_dir)) == sorted(f"{h}{suffix}.bin" for h, _ in want)
+    for h, data in want:
+        assert hicache_file_get(store_dir, h, suffix, mgr.decode_host_mem_pool.page_nbytes) == data
+    mgr.release_host_resources()
+
+
+def test_a_request_aborted_while_retracted_after_the_wait_expired_is_not_a_leak(kit, store_dir):
+    import gc
+
+    node = Node(kit, page_size=4)
+    free_pages, free_rows = node.alloc.available_size(), node.pool.available_size()
+    mgr = build(node)
+    req = _retracted_after_the_wait_expired(node, mgr, "gone")
+    req.finished_reason = "abort"  # aborted in the waiting queue: SGLang drops it, no row to free
+    del req
+    gc.collect()
+    node.drain(mgr)
+    stats = mgr.stats()
+    assert (stats.leaked, stats.released, stats.tracked) == (0, 1, 0)
+    assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
+    mgr.release_host_resources()

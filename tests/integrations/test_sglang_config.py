@@ -25,7 +25,9 @@ def store_dir(tmp_path, monkeypatch):
     path = tmp_path / "hicache"
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(path))
     for var in ("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
-                "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"):
+                "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO",
+                "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER",
+                "MOONCAKE_CLIENT", "KV_LIFECYCLE_REQUIRE_CHECKSUM"):
         monkeypatch.delenv(var, raising=False)
     return str(path)
 
@@ -37,11 +39,26 @@ def construct(node, ctx):
 
 
 REFUSED = [
-    ({"backend": "mooncake"}, {}, "hicache-storage-backend 'mooncake'.*supported: file"),
-    ({"backend": None}, {}, "hicache-storage-backend None.*supported: file"),
-    ({"layout": "layer_first"}, {}, "hicache-mem-layout 'layer_first'.*supported: page_first"),
-    ({"layout": "page_first_direct"}, {}, "supported: page_first"),
-    ({"io_backend": "kernel_ascend"}, {}, "hicache-io-backend 'kernel_ascend'"),
+    ({"backend": "sim"}, {}, "backend sim cannot be used.*stores keys but no bytes.*supported: file, mooncake"),
+    ({"backend": "hf3fs"}, {}, "backend hf3fs cannot be used.*zero-copy"),
+    ({"backend": "nixl"}, {}, "backend nixl cannot be used.*NotImplementedError"),
+    ({"backend": "shm"}, {}, "backend shm cannot be used"),
+    ({"backend": "dynamic", "extra_config": '{"interface_v1": 1}'}, {}, "dynamic with interface_v1"),
+    ({"backend": "s3"}, {}, "'s3' is not one of SGLang 0.5.19's"),
+    ({"backend": None}, {}, "hicache-storage-backend is not set.*supported: file"),
+    ({"backend": "mooncake"}, {}, "mooncake: no master configured"),
+    ({"backend": "mooncake", "extra_config": '{"master_server_address": "127.0.0.1:1", "tenant_id": "t"}'}, {},
+     "tenant_id 't'"),
+    ({"backend": "mooncake", "extra_config": '{"master_server_address": "127.0.0.1:1", "enable_group_semantics": true}'},
+     {}, "enable_group_semantics"),
+    ({"backend": "mooncake"}, {"MOONCAKE_CLIENT": "127.0.0.1:2"}, "client_server_address.*MOONCAKE_\\* environment"),
+    ({"backend": "mooncake", "extra_config": '{"master_server_address": "127.0.0.1:1", "bogus": 1}'}, {},
+     r"keys \['bogus'\] are not read by SGLang's Mooncake backend"),
+    ({"backend": "aibrix"}, {"KV_LIFECYCLE_REQUIRE_CHECKSUM": "yes"}, "KV_LIFECYCLE_REQUIRE_CHECKSUM='yes'"),
+    ({"layout": "layer_first"}, {}, "hicache-mem-layout layer_first --hicache-io-backend kernel is not supported"),
+    ({"layout": "page_first_direct"}, {}, "SGLang resolves it to page_first_direct \\+ direct"),
+    ({"io_backend": "kernel_ascend"}, {}, "io-backend kernel_ascend is not supported.*Ascend"),
+    ({"layout": "page_last"}, {}, "hicache-mem-layout 'page_last' is not one of SGLang 0.5.19's"),
     ({"extra_config": "{not json"}, {}, "not valid JSON"),
     ({"extra_config": "[1, 2]"}, {}, "must be a JSON object"),
     ({"extra_config": '{"tp_lcm_size": 8}'}, {}, r"keys \['tp_lcm_size'\] are not supported"),
@@ -54,10 +71,11 @@ REFUSED = [
     ({"dcp_enabled": True}, {}, "decode context parallel"),
     ({"model": ""}, {}, "served_model_name"),
     ({"ratio": 0, "size_gb": 0}, {}, "hicache-ratio"),
-    ({"ratio": None}, {}, "hicache-ratio"),
     ({"size_gb": -1}, {}, "hicache-size"),
     ({"page_size": 0}, {}, "page_size"),
     ({"pp_rank": 2, "pp_size": 2}, {}, "pp_rank"),
+    ({}, {"KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S": "-1"}, "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S='-1'"),
+    ({}, {"KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S": "soon"}, "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S='soon'"),
 ]
 
 
@@ -179,3 +197,81 @@ def test_use_runtime_refuses_an_object_without_the_getters():
     with pytest.raises(SGLangConfigError, match="get_parallel"):
         with use_runtime(object()):
             pass
+
+
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
+IOS = ("kernel", "direct", "kernel_ascend")
+
+
+def sglangs_resolution(layout, io, backend):
+    """SGLang 0.5.19's hicache_hook rules, spelled out pair by pair (the table in docs/integration.md)."""
+    table = {("page_first_direct", "kernel"): ("page_first_direct", "direct"),
+             ("page_first", "direct"): ("page_first_direct", "direct")}
+    if backend == "mooncake":
+        table[("layer_first", "kernel")] = ("page_first", "kernel")
+        table[("layer_first", "direct")] = ("page_first_direct", "direct")
+    return table.get((layout, io), (layout, io))
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+@pytest.mark.parametrize("io", IOS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_io_pair_is_accepted_as_sglang_resolves_it_or_refused_naming_the_resolved_pair(
+        layout, io, backend):
+    """Issue 20, point 2: the pair SGLang resolves decides; a refusal is one line naming the pair
+    passed, SGLang's resolved pair and what to pass instead."""
+    from lifecycle.integrations.sglang.config import check_layout_io, resolve_layout_io
+
+    resolved = sglangs_resolution(layout, io, backend)
+    assert resolve_layout_io(layout, io, backend) == resolved
+    assert resolve_layout_io(*resolved, backend) == resolved  # SGLang's get_memory() holds the resolved pair
+    for pair in {(layout, io), resolved}:
+        if resolved == ("page_first", "kernel"):
+            assert check_layout_io(*pair, backend) == resolved
+            continue
+        with pytest.raises(SGLangConfigError) as info:
+            check_layout_io(*pair, backend)
+        msg = str(info.value)
+        assert "\n" not in msg and f"--hicache-mem-layout {pair[0]} --hicache-io-backend {pair[1]}" in msg
+        if pair != resolved:
+            assert f"SGLang resolves it to {resolved[0]} + {resolved[1]}" in msg
+        assert msg.endswith("pass --hicache-mem-layout page_first --hicache-io-backend kernel "
+                            "(its copies do not use SGLang's io backend)")
+
+
+def test_mooncakes_layer_first_resolves_to_page_first_and_is_read_as_such(store_dir):
+    from lifecycle.integrations.sglang.config import check_layout_io
+
+    assert check_layout_io("layer_first", "kernel", "mooncake") == ("page_first", "kernel")
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_the_resolution_is_sglangs_own(backend):
+    """Where sglang imports: SGLang 0.5.19's own resolvers (``hicache_hook``) give, for every pair,
+    the pair ``resolve_layout_io`` gives."""
+    from types import SimpleNamespace
+
+    from tests.integrations.sglang_kit import require_sglang
+
+    require_sglang()
+    from sglang.srt.arg_groups.hicache_hook import (
+        resolve_layout_io_compatibility, resolve_storage_layout_compatibility,
+    )
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from lifecycle.integrations.sglang.config import resolve_layout_io
+
+    for layout in LAYOUTS:
+        for io in IOS:
+            args = SimpleNamespace(hicache_mem_layout=layout, hicache_io_backend=io,
+                                   hicache_storage_backend=backend)
+            resolve_layout_io_compatibility(args)
+            resolve_storage_layout_compatibility(args)
+            view = resolved_view(args)
+            assert resolve_layout_io(layout, io, backend) == (view.hicache_mem_layout, view.hicache_io_backend)
+
+
+def test_an_unset_hicache_ratio_on_a_decode_server_is_sglangs_2(store_dir):
+    """SGLang 0.5.19 leaves ``--hicache-ratio`` unset on a decode server (``handle_hicache_ratio_default``
+    skips decode) and its ``kv_cache_builder`` resolves it to 2.0 when decode offload is on."""
+    config = read_config(runtime_context(page_size=4, ratio=None), {})
+    assert (config.host_ratio, config.host_size_gb) == (2.0, 0.0)

@@ -103,3 +103,28 @@ def test_a_non_bool_force_is_refused_before_anything_closes():
     with pytest.raises(InvalidArgument, match="force must be True or False, got 'no'"):
         node.mgr.shutdown(force="no")                  # truthy: would abandon the copy
     assert not node.mgr.closed and node.mgr.pending().copies == 1
+
+
+def test_forced_shutdown_drains_accepted_copies_and_storage_writes_first():
+    """Issue 20: a copy accepted just before a forced shutdown lands, is stored and its finished
+    request released; nothing is abandoned."""
+    node = Node(page_size=4)
+    req = finished_with_a_copy(node)
+    node.off.auto_land = True                         # the copy and its storage write complete when polled
+    with capture_logs() as logs:
+        pending = node.mgr.shutdown(force=True, timeout_s=5.0)
+    assert (pending.copies, pending.storage_ops, pending.finished_waiting) == (0, 0, 0)
+    assert [e for e in logs if e["event"] == "lifecycle.abandoned"] == []
+    assert node.mgr.state_of(req) is State.RELEASED
+    assert len(node.off.stored) == 1 and node.pool.freed_rows == [0]
+    stats = node.mgr.stats()
+    assert (stats.released, stats.abandoned, stats.inflight_writes, stats.inflight_storage) == (1, 0, 0, 0)
+
+
+def test_what_the_forced_shutdown_bound_cuts_off_is_counted():
+    node = Node(page_size=4)
+    finished_with_a_copy(node)                        # the copy never lands
+    with capture_logs() as logs:
+        node.mgr.shutdown(force=True, timeout_s=0.05)
+    assert len([e for e in logs if e["event"] == "lifecycle.abandoned"]) == 1
+    assert node.mgr.stats().abandoned == 1

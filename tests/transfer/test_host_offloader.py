@@ -226,3 +226,19 @@ def test_the_copy_reads_the_slots_given_at_write_time_not_a_reused_index_buffer(
         assert torch.equal(host.page_view(p).view(torch.uint8), page.view(torch.uint8))
     off.free_host(h)
     off.close()
+
+
+def test_expire_reports_the_copies_once_and_poisons_their_pages():
+    """``expire``: the caller stops waiting for these copies now (their slots are being freed by
+    someone else); reported once by ``expired_writes``, landed as failed, never stored."""
+    off, kv, host, store = make()
+    h = off.write(torch.arange(8, 12), 1)
+    assert off.expire([1, 1, 99]) == [1]          # ids not in flight, and repeats, are skipped
+    assert off.expire([1]) == []
+    assert off.expired_writes() == [1] and off.expired_writes() == []
+    assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == [1]
+    op = off.write_storage(h, [1, 2, 3, 4], ["0" * 64])
+    assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
+    assert store.batch_exists(["0" * 64]) == 0 and off.stats().copy_expired == 1
+    off.free_host(h)
+    off.close()

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
+from lifecycle.integrations.sglang import backends
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 
 STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
@@ -30,9 +31,31 @@ FILE_MAX_SIZE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE"
 FILE_MIN_FREE_ENV = "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE"
 FILE_EVICTION_RATIO_ENV = "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO"
 FILE_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's default file_path
+# ours: how long release_host_resources() drains accepted copies and storage writes at shutdown
+SHUTDOWN_TIMEOUT_ENV = "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# --hicache-ratio unset on a decode server with decode offload: SGLang's kv_cache_builder makes it 2.0
+DECODE_OFFLOAD_HICACHE_RATIO = 2.0
 
-SUPPORTED_BACKENDS = ("file",)
-SUPPORTED_LAYOUTS = ("page_first",)
+SUPPORTED_BACKENDS = ("file", "mooncake", "aibrix", "eic", "dynamic")  # see backends.py
+# SGLang 0.5.19's --hicache-mem-layout / --hicache-io-backend choices
+SGLANG_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
+SGLANG_IO_BACKENDS = ("direct", "kernel", "kernel_ascend")
+# The byte order of one stored page per SGLang host layout (MHA; MLA has one kind and one head):
+# what HiCache's get_data_page hands a storage backend, so what a reader of the same fleet expects.
+PAGE_BYTE_ORDER = {
+    "page_first": "[kv, token, layer, head, dim]",
+    "layer_first": "[kv, layer, token, head, dim]",
+    "page_first_direct": "[kv, layer, token, head, dim]",
+    "page_head": "[kv, head, token, layer, dim]",
+    "page_first_kv_split": "Ascend NPU only",
+}
+# The layouts whose page bytes this integration's stores write: the file and Mooncake tiers store
+# pages in any of these (transfer.storage.layout); the adapter over SGLang's other backends sees
+# our host pool as page_first only. The io backend is SGLang's copy path, which ours replaces.
+SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+OWN_TIER_BACKENDS = ("file", "mooncake")
+ADAPTER_LAYOUTS = ("page_first",)
 SUPPORTED_IO_BACKENDS = ("kernel", "direct")
 # extra-config keys the file backend reads; the metadata-cache ones only tune existence checks,
 # which our store answers from its own index anyway
@@ -57,6 +80,9 @@ class OffloadConfig:
     pp_rank: int = 0
     pp_size: int = 1
     extra_config: dict = field(default_factory=dict)
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    require_checksum: bool = False  # KV_LIFECYCLE_REQUIRE_CHECKSUM=1: unsealed pages are misses
+    environ: dict = field(default_factory=dict, repr=False)  # what the backends read (MOONCAKE_*, ...)
 
 
 def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadConfig:
@@ -72,20 +98,13 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise SGLangConfigError(f"get_schedule().page_size must be a positive int, got {page_size!r}")
     backend = _setting(mem, "hicache_storage_backend", "get_memory()")
-    if backend not in SUPPORTED_BACKENDS:
-        raise SGLangConfigError(
-            f"--hicache-storage-backend {backend!r} is not supported by kv-lifecycle's decode offload; "
-            f"supported: {', '.join(SUPPORTED_BACKENDS)}")
-    layout = _setting(mem, "hicache_mem_layout", "get_memory()")
-    if layout not in SUPPORTED_LAYOUTS:
-        raise SGLangConfigError(
-            f"--hicache-mem-layout {layout!r} is not supported (the host pool and stored pages are "
-            f"page-first); supported: {', '.join(SUPPORTED_LAYOUTS)}")
-    io_backend = _setting(mem, "hicache_io_backend", "get_memory()")
-    if io_backend not in SUPPORTED_IO_BACKENDS:
-        raise SGLangConfigError(
-            f"--hicache-io-backend {io_backend!r} is not supported; supported: {', '.join(SUPPORTED_IO_BACKENDS)}")
-    extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None))
+    extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None), backend)
+    refused = backends.refusal(backend, extra)
+    if refused:
+        raise SGLangConfigError(refused)
+    layout, io_backend = check_layout_io(
+        _setting(mem, "hicache_mem_layout", "get_memory()"), _setting(mem, "hicache_io_backend", "get_memory()"),
+        backend)
     if getattr(parallel, "dcp_enabled", False):
         raise SGLangConfigError("decode context parallel (--dcp-size > 1) is not supported")
     model = getattr(serving, "served_model_name", None)
@@ -100,7 +119,7 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         offload_stride=_stride(env.get(STRIDE_ENV), page_size),
         storage_backend=backend,
         storage_dir=env.get(FILE_DIR_ENV) or FILE_DEFAULT_DIR,
-        capacity_bytes=_file_capacity(extra, env),
+        capacity_bytes=_file_capacity(extra, env) if backend == "file" else None,
         io_backend=io_backend,
         mem_layout=layout,
         host_ratio=ratio,
@@ -109,7 +128,63 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         pp_rank=pp_rank,
         pp_size=pp_size,
         extra_config=extra,
+        shutdown_timeout_s=_shutdown_timeout(env.get(SHUTDOWN_TIMEOUT_ENV)),
+        require_checksum=backends.strict(env),
+        environ=dict(env),
     )
+
+
+def _shutdown_timeout(raw: str | None) -> float:
+    """``KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S``: seconds >= 0 (unset: 5)."""
+    if raw is None or raw == "":
+        return DEFAULT_SHUTDOWN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise SGLangConfigError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r} must be a finite number of seconds >= 0")
+    return value
+
+
+def resolve_layout_io(layout: str, io_backend: str, backend: str | None) -> tuple[str, str]:
+    """The (layout, io backend) pair SGLang 0.5.19 runs with, from the pair passed: its
+    ``resolve_layout_io_compatibility`` then ``resolve_storage_layout_compatibility``
+    (``sglang/srt/arg_groups/hicache_hook.py``), which ``ServerArgs`` applies for decode offload.
+    ``get_memory()`` inside SGLang already holds the resolved pair; resolving again changes nothing."""
+    if layout == "page_first_direct" and io_backend == "kernel":
+        io_backend = "direct"
+    if layout == "page_first" and io_backend == "direct":
+        layout = "page_first_direct"
+    if backend == "mooncake" and layout == "layer_first":
+        layout = {"direct": "page_first_direct", "kernel": "page_first"}.get(io_backend, layout)
+    return layout, io_backend
+
+
+def check_layout_io(layout, io_backend, backend: str | None) -> tuple[str, str]:
+    """SGLang's resolved (layout, io backend) pair if this integration writes that layout's page
+    bytes, else one ``SGLangConfigError`` naming the pair passed, SGLang's resolved pair, the byte
+    order it implies and what to pass instead."""
+    if layout not in SGLANG_LAYOUTS:
+        raise SGLangConfigError(
+            f"--hicache-mem-layout {layout!r} is not one of SGLang 0.5.19's: {', '.join(SGLANG_LAYOUTS)}")
+    if io_backend not in SGLANG_IO_BACKENDS:
+        raise SGLangConfigError(
+            f"--hicache-io-backend {io_backend!r} is not one of SGLang 0.5.19's: {', '.join(SGLANG_IO_BACKENDS)}")
+    resolved = resolve_layout_io(layout, io_backend, backend)
+    layouts = SUPPORTED_LAYOUTS if backend is None or backend in OWN_TIER_BACKENDS else ADAPTER_LAYOUTS
+    if resolved[0] in layouts and resolved[1] in SUPPORTED_IO_BACKENDS:
+        return resolved
+    passed = f"--hicache-mem-layout {layout} --hicache-io-backend {io_backend}"
+    as_resolved = "" if resolved == (layout, io_backend) else \
+        f" (SGLang resolves it to {resolved[0]} + {resolved[1]})"
+    why = ("the Ascend NPU transfer path" if "kernel_ascend" in resolved or resolved[0] == "page_first_kv_split"
+           else f"pages stored in {resolved[0]} byte order {PAGE_BYTE_ORDER[resolved[0]]}")
+    writes = (f"the {backend} backend here stores page_first pages {PAGE_BYTE_ORDER['page_first']}"
+              if layouts is ADAPTER_LAYOUTS else f"this integration stores pages in {', '.join(layouts)} order")
+    raise SGLangConfigError(
+        f"{passed}{as_resolved} is not supported by kv-lifecycle's decode offload: it needs {why}, {writes}; "
+        f"pass --hicache-mem-layout page_first --hicache-io-backend kernel (its copies do not use SGLang's io backend)")
 
 
 def _setting(bag, name: str, where: str):
@@ -131,11 +206,16 @@ def _stride(raw: str | None, page_size: int) -> int:
     return max(page_size, value // page_size * page_size)
 
 
-def _extra_config(raw) -> dict:
+def _extra_config(raw, backend) -> dict:
+    """The extra config as SGLang's HiCache reads it: a JSON object, or ``@FILE`` (.json, .toml,
+    .yaml / .yml). The file backend's keys are checked here, Mooncake's in ``backends``; other
+    backends read their own."""
     if raw is None or raw == "":
         return {}
     if isinstance(raw, dict):
         extra = dict(raw)
+    elif isinstance(raw, str) and raw.startswith("@"):
+        extra = _extra_config_file(raw[1:])
     else:
         try:
             extra = json.loads(raw)
@@ -143,12 +223,38 @@ def _extra_config(raw) -> dict:
             raise SGLangConfigError(f"--hicache-storage-backend-extra-config is not valid JSON: {err}") from None
     if not isinstance(extra, dict):
         raise SGLangConfigError(f"--hicache-storage-backend-extra-config must be a JSON object, got {raw!r}")
+    if backend != "file":
+        return extra
     unknown = sorted(set(extra) - set(FILE_EXTRA_KEYS))
     if unknown:
         raise SGLangConfigError(
             f"--hicache-storage-backend-extra-config keys {unknown} are not supported for the file "
             f"backend; supported: {', '.join(FILE_EXTRA_KEYS)}")
     return extra
+
+
+def _extra_config_file(path: str):
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".json":
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        if ext == ".toml":
+            import tomllib  # noqa: PLC0415
+
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        if ext in (".yaml", ".yml"):
+            import yaml  # noqa: PLC0415 (SGLang installs PyYAML)
+
+            with open(path, encoding="utf-8") as f:
+                return yaml.safe_load(f)
+    except ImportError as err:
+        raise SGLangConfigError(f"--hicache-storage-backend-extra-config @{path}: {err}") from None
+    except Exception as err:  # noqa: BLE001 (any parse or read failure: one line)
+        raise SGLangConfigError(f"--hicache-storage-backend-extra-config @{path} cannot be read: {err}") from None
+    raise SGLangConfigError(
+        f"--hicache-storage-backend-extra-config @{path}: unsupported config format {ext!r} (.json, .toml, .yaml)")
 
 
 def _file_capacity(extra: dict, env: Mapping[str, str]) -> int | None:
@@ -216,6 +322,8 @@ def _host_size(mem) -> tuple[float | None, float]:
         raise SGLangConfigError(f"--hicache-size must be a non-negative number of GB, got {size_gb!r}")
     if size_gb > 0:
         return ratio, float(size_gb)
+    if ratio is None:  # a decode server: SGLang's kv_cache_builder resolves it, 2.0 with decode offload
+        return DECODE_OFFLOAD_HICACHE_RATIO, 0.0
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio > 0:
         raise SGLangConfigError(f"--hicache-ratio must be > 0 when --hicache-size is 0, got {ratio!r}")
     return float(ratio), 0.0

@@ -20,7 +20,7 @@ from lifecycle.integrations.sglang.device_pool import LayeredKVPool, from_sglang
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 from lifecycle.integrations.sglang.layered_copy import make_layered_copy_engine
 from lifecycle.integrations.sglang.release import SGLangReleaseSink
-from lifecycle.integrations.sglang.storage import open_storage
+from lifecycle.integrations.sglang.storage import open_storage, plan_storage
 from lifecycle.log import get_logger
 from lifecycle.manager import DecodeOffloadManager
 from lifecycle.states import State
@@ -39,7 +39,9 @@ def active_managers() -> list:
 
 class OngoingOffload:
     """What SGLang reads of ``manager.ongoing_offload``: its ``len()``, the device -> host copies
-    not yet settled (0 means no device slot is held for an offload). Read-only."""
+    not yet settled (0 means no device slot is held for an offload). Read-only. After
+    ``release_host_resources`` it is empty: what the shutdown bound cut off is counted in
+    ``stats().abandoned`` instead (those copies are never settled)."""
 
     __slots__ = ("_mgr",)
 
@@ -47,6 +49,8 @@ class OngoingOffload:
         self._mgr = mgr
 
     def __len__(self) -> int:
+        if self._mgr.closed:
+            return 0
         stats = self._mgr.stats()
         return stats.inflight_writes + (1 if stats.quarantined_slots else 0)
 
@@ -78,9 +82,10 @@ class DecodeKVCacheOffloadManager:
         device = from_sglang(kv_cache)
         tp_rank, tp_size = _tp_rank_size(tp_group)
         sink = SGLangReleaseSink(tree_cache, req_to_token_pool)
+        plan = plan_storage(config, tp_rank, tp_size, device.mla)
         host = HostPool(device.layers, device.heads, device.head_dim, device.dtype, config.page_size,
                         _host_tokens(config, kv_cache, device), mla=device.mla)
-        storage = open_storage(config, host, tp_rank, tp_size, device.mla)
+        storage = open_storage(config, host, tp_rank, tp_size, device.mla, plan)
         offloader = audit = None
         try:
             audit = open_audit_trail(tp_rank, config.pp_rank)
@@ -160,10 +165,7 @@ class DecodeKVCacheOffloadManager:
             if state not in _WAITING:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                discarded = self._discard_copies_of(req)
-                log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
-                          waited_s=self.SGLANG_RELEASE_WAIT_S, copies_discarded=discarded)
-                return True
+                return self._release_under_copy(req, state)
             time.sleep(0.0002)
         if state is State.RELEASED:
             return False
@@ -173,31 +175,29 @@ class DecodeKVCacheOffloadManager:
         log.debug("sglang.released_by_sglang", rid=getattr(req, "rid", None))
         return True
 
-    SGLANG_RELEASE_WAIT_S = 10.0  # TP=1 only: then SGLang frees anyway (logged sglang.release_under_copy)
-
-    def _discard_copies_of(self, req) -> int:
-        """SGLang is about to free ``req``'s slots under its copies still in flight (the TP=1 wait
-        expired): whatever those copies land may be another request's KV by then. They are
-        discarded (``HostOffloader.discard_write``: expired at once, nothing they land is stored,
-        counted in ``copies_discarded``); the lifecycle stops waiting for them and ends as when
-        SGLang frees (RELEASED, nothing freed here; readmitted if the request comes back), and the
-        slots those copies may still read are SGLang's to free, never freed here when they end
-        (only their host pages come back). Returns how many copies were discarded."""
-        mgr = self.manager
-        acks = [ack for ack, chunk in mgr._ongoing.items() if chunk.req is req]
-        for ack in acks:
-            self.offloader.discard_write(ack)
+    def _release_under_copy(self, req, state: State) -> bool:
+        """TP=1, the wait bound passed: SGLang frees the request's slots although copies of it may
+        still read them. Those copies are expired now (their pages are never stored: the slots may
+        be reused under them), and the request's lifecycle ends without freeing, as SGLang frees it;
+        the slots an expired copy may read are SGLang's, never freed by us. When the request
+        resumes with a new row, its next ``offload_kv_cache`` starts a new lifecycle."""
+        acks = self.manager.copies_of(req)
+        log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
+                  waited_s=self.SGLANG_RELEASE_WAIT_S, copies_discarded=acks)
+        self.offloader.expire(acks)  # HostOffloader.discard_write each: counted in copies_discarded
         with self.release_sink.released_by_sglang(req):
-            mgr.check_offload_progress()  # the expiry: a finished request is released (recorded) here
-            if mgr.state_of(req) not in (None, State.RELEASED):
-                mgr.finalize_release_on_finish(req)
+            self.manager.check_offload_progress()  # settles the expired copies; others as usual
+            if self.manager.state_of(req) not in (None, State.RELEASED):
+                self.manager.finalize_release_on_finish(req)
         for ack in acks:
-            held = mgr._expired.get(ack)
+            held = self.manager._expired.get(ack)
             if held is not None:
                 held.released = False  # SGLang frees these slots; when the copy ends only its host pages go
-        if mgr.state_of(req) is State.RELEASED:
-            self._released_by_sglang.add(req)
-        return len(acks)
+        self._released_by_sglang.add(req)
+        log.debug("sglang.released_by_sglang", rid=getattr(req, "rid", None))
+        return True
+
+    SGLANG_RELEASE_WAIT_S = 10.0  # TP=1 only: then SGLang frees anyway (logged sglang.release_under_copy)
 
     def _readmit(self, req) -> bool:
         """Start a new lifecycle for a request SGLang released and gave a row again; False if it has none."""
@@ -208,23 +208,35 @@ class DecodeKVCacheOffloadManager:
         self.manager.readmit(req)
         return True
 
-    def release_host_resources(self) -> None:
-        """At shutdown (SGLang calls it from the scheduler process's ``finally``): drain queued copies
-        and storage writes, stop the workers, close the store. Idempotent; never raises for work
-        still in flight (it is drained, or logged when a worker does not stop)."""
+    def release_host_resources(self, timeout_s: float | None = None) -> None:
+        """At shutdown (SGLang calls it from the scheduler process's ``finally``): drain accepted
+        work within a bound, stop the workers, close the store. Idempotent; never raises for work
+        still in flight.
+
+        Copies already accepted land, their pages are written to storage and waited for, and
+        finished requests are released through SGLang's tree cache, for at most ``timeout_s``
+        seconds (default: ``KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S``, else 5; the offloader's
+        close then gets the same bound). Whatever the bound cut off is logged once
+        (``lifecycle.abandoned``, ERROR, with what was pending) and counted (``stats().abandoned``); its device slots
+        stay allocated (a copy may still read them). ``ongoing_offload`` is empty afterwards.
+        """
         if self._released_host:
             return
         self._released_host = True
         _ACTIVE.discard(self)
-        stats = self.manager.stats()
-        self.manager.shutdown(force=True)
-        self.storage.close()
+        bound = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        try:
+            self.manager.shutdown(force=True, timeout_s=bound)
+        finally:
+            self.storage.close()
+        stats = self.manager.stats()  # what the bound cut off: logged once by the manager (lifecycle.abandoned)
         if self.metrics is not None:
             self.metrics.tick(force=True)
         if self.offloader.idle():  # no copy can still write into the host pool: unpin it
             self.decode_host_mem_pool.close()
         log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
-                 inflight_writes=stats.inflight_writes, inflight_storage=stats.inflight_storage)
+                 pages_stored=self.offloader.stats().pages_stored, abandoned=stats.abandoned,
+                 timeout_s=bound)
         if self.audit_path is not None and not _ACTIVE:
             close_audit_trail()
 

@@ -91,12 +91,14 @@ class SGLangReleaseSink:
                     f"non-empty and inside the row (width {width})")
             last = end
 
-    def free(self, plan) -> None:
-        """Release the request as SGLang does: slots (one call), row, kv record, protected count."""
+    def free(self, plan) -> bool:
+        """Release the request as SGLang does: slots (one call), row, kv record, protected count.
+        False (nothing done) for a request SGLang frees itself (``released_by_sglang``)."""
         if self._sglang_frees and plan.req in self._sglang_frees:
-            return
+            return False
         req = plan.req
         self.tree_cache.free_kv_row(req.kv, list(plan.ranges))
         self.req_to_token_pool.free(req)
         req.kv.mark_kv_released()
         self.tree_cache.protected_size_ -= len(req.prefix_indices)
+        return True
