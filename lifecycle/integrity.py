@@ -135,7 +135,7 @@ def check_integrity(mgr) -> None:
     if counts != mgr._by_name:
         problems.append(f"state counters {mgr._by_name} disagree with records {counts}")
     reads = (sum(c.indices.numel() for c in mgr._ongoing.values() if on_host(c.indices))  # device ids: not counted
-             + sum(q.slots.numel() for q in mgr._expired.values() if on_host(q.slots)))
+             + sum(q.slots.numel() for q in mgr._expired.values() if on_host(q.slots) and not q.disowned))
     if mgr._reading.total() != reads:
         problems.append(f"{mgr._reading.total()} slot reads counted, but copies in flight read {reads} slots")
     if problems:

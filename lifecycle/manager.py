@@ -265,6 +265,25 @@ class DecodeOffloadManager(CallGate):
             return []
         return [ack for ack, chunk in self._ongoing.items() if chunk.rec is rec]
 
+    def disown_expired_copies(self, acks) -> int:
+        """The device slots these expired copies may still read were freed by their owner (SGLang
+        frees a request under its copies once its TP=1 release wait runs out): they are not this
+        manager's any more — not freed when the copies end (only their host pages come back), and
+        not guarded against reuse by the slot check (the owner may hand them out again; what the
+        copies land is discarded). Ack ids that are not expired copies are skipped.
+
+        Returns:
+            How many copies were disowned.
+        """
+        n = 0
+        for ack in acks:
+            q = self._expired.get(ack)
+            if q is not None and not q.disowned:
+                q.released, q.disowned = False, True
+                self._reading.remove(ack)
+                n += 1
+        return n
+
     def progress_of(self, req) -> OffloadedState | None:
         """A copy of the request's offload progress (``inc_len``, ``last_hash``), or None."""
         rec = table.lookup(self, req)

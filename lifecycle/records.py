@@ -83,13 +83,16 @@ class StorageOp(msgspec.Struct, gc=False):
 
 
 class Quarantine(msgspec.Struct, gc=False):
-    """An expired copy that may still read ``slots``: they are freed only once it ends."""
+    """An expired copy that may still read ``slots``: they are freed only once it ends.
+    ``disowned``: their owner freed them under the copy (SGLang, once its TP=1 release wait ran
+    out): they are no longer this manager's to free or to guard (``disown_expired_copies``)."""
 
     ack_id: int
     rid: object
     host: object
     slots: object
     released: bool = False
+    disowned: bool = False
 
 
 class Stats(msgspec.Struct):

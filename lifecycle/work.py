@@ -72,7 +72,7 @@ def free_memory(fire) -> None:
     freed = mgr.release_sink.free(plan)
     for ack in rec.expired or ():
         q = mgr._expired.get(ack)
-        if q is not None and freed is not False:  # False: the sink freed nothing (another owner frees)
+        if q is not None and freed is not False and not q.disowned:  # False: the sink freed nothing (another owner frees)
             q.released = True
     rec.expired = None
     mgr._released += 1

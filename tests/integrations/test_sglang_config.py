@@ -56,7 +56,8 @@ REFUSED = [
      r"keys \['bogus'\] are not read by SGLang's Mooncake backend"),
     ({"backend": "aibrix"}, {"KV_LIFECYCLE_REQUIRE_CHECKSUM": "yes"}, "KV_LIFECYCLE_REQUIRE_CHECKSUM='yes'"),
     ({"layout": "layer_first"}, {}, "hicache-mem-layout layer_first --hicache-io-backend kernel is not supported"),
-    ({"layout": "page_first_direct"}, {}, "SGLang resolves it to page_first_direct \\+ direct"),
+    ({"layout": "layer_first", "io_backend": "direct"}, {},
+     "hicache-mem-layout layer_first --hicache-io-backend direct is not supported"),
     ({"io_backend": "kernel_ascend"}, {}, "io-backend kernel_ascend is not supported.*Ascend"),
     ({"layout": "page_last"}, {}, "hicache-mem-layout 'page_last' is not one of SGLang 0.5.19's"),
     ({"extra_config": "{not json"}, {}, "not valid JSON"),
@@ -226,7 +227,8 @@ def test_every_layout_io_pair_is_accepted_as_sglang_resolves_it_or_refused_namin
     assert resolve_layout_io(layout, io, backend) == resolved
     assert resolve_layout_io(*resolved, backend) == resolved  # SGLang's get_memory() holds the resolved pair
     for pair in {(layout, io), resolved}:
-        if resolved == ("page_first", "kernel"):
+        # issue 24: the file and Mooncake tiers store pages in each of these layouts' byte order
+        if resolved[0] in ("page_first", "page_first_direct", "page_head") and resolved[1] in ("kernel", "direct"):
             assert check_layout_io(*pair, backend) == resolved
             continue
         with pytest.raises(SGLangConfigError) as info:
@@ -237,6 +239,17 @@ def test_every_layout_io_pair_is_accepted_as_sglang_resolves_it_or_refused_namin
             assert f"SGLang resolves it to {resolved[0]} + {resolved[1]}" in msg
         assert msg.endswith("pass --hicache-mem-layout page_first --hicache-io-backend kernel "
                             "(its copies do not use SGLang's io backend)")
+
+
+@pytest.mark.parametrize("layout,io", [("page_first", "direct"), ("page_first_direct", "kernel"), ("page_head", "kernel")])
+def test_the_adapter_over_sglangs_other_backends_takes_page_first_only(layout, io):
+    """SGLang's other backends see our host pool as page_first (HostPoolView): any other resolved
+    layout is refused in one line for them, while file and Mooncake store it."""
+    from lifecycle.integrations.sglang.config import check_layout_io
+
+    assert check_layout_io(layout, io, "file")[0] != "page_first"
+    with pytest.raises(SGLangConfigError, match="the dynamic backend here stores page_first pages"):
+        check_layout_io(layout, io, "dynamic")
 
 
 def test_mooncakes_layer_first_resolves_to_page_first_and_is_read_as_such(store_dir):

@@ -239,6 +239,6 @@ def test_expire_reports_the_copies_once_and_poisons_their_pages():
     assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == [1]
     op = off.write_storage(h, [1, 2, 3, 4], ["0" * 64])
     assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
-    assert store.batch_exists(["0" * 64]) == 0 and off.stats().copy_expired == 1
+    assert store.batch_exists(["0" * 64]) == 0 and off.stats().copies_discarded == 1
     off.free_host(h)
     off.close()

@@ -183,16 +183,13 @@ class DecodeKVCacheOffloadManager:
         resumes with a new row, its next ``offload_kv_cache`` starts a new lifecycle."""
         acks = self.manager.copies_of(req)
         log.error("sglang.release_under_copy", rid=getattr(req, "rid", None), state=state.name,
-                  waited_s=self.SGLANG_RELEASE_WAIT_S, copies_discarded=acks)
+                  waited_s=self.SGLANG_RELEASE_WAIT_S, copies_discarded=len(acks), ack_ids=acks)
         self.offloader.expire(acks)  # HostOffloader.discard_write each: counted in copies_discarded
         with self.release_sink.released_by_sglang(req):
             self.manager.check_offload_progress()  # settles the expired copies; others as usual
             if self.manager.state_of(req) not in (None, State.RELEASED):
                 self.manager.finalize_release_on_finish(req)
-        for ack in acks:
-            held = self.manager._expired.get(ack)
-            if held is not None:
-                held.released = False  # SGLang frees these slots; when the copy ends only its host pages go
+        self.manager.disown_expired_copies(acks)  # SGLang frees these slots (and may reuse them)
         self._released_by_sglang.add(req)
         log.debug("sglang.released_by_sglang", rid=getattr(req, "rid", None))
         return True
