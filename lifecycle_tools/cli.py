@@ -169,7 +169,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             handler = {"audit": cmd_audit, "diagrams": cmd_diagrams}[args.command]
         INTERRUPTS.check()
-        return handler(args)
+        rc = handler(args)
+        if argv is None and getattr(args, "left_behind", False):
+            # storage calls abandoned at a bounded close (a hung or dead tier) may still be running
+            # in a client library's native threads; the interpreter's finalization would tear their
+            # objects down under them (a C++ client then aborts the process). The report is written:
+            # end here, after flushing, with the run's own exit code.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
         if argv is None:   # the process is ours: exit now, before finalization restores SIGINT's default

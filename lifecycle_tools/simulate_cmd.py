@@ -105,6 +105,7 @@ def cmd_simulate(args) -> int:
     finally:
         if audit_file is not None:
             audit_file.close()
+    args.left_behind = bool(report.shutdown)   # work abandoned at a bounded close: see cli.main
     return _print(report, cfg, args)
 
 
