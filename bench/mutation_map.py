@@ -45,14 +45,19 @@ GROUPS: dict[str, dict[str, list[str]]] = {
         "tests": ["tests/transfer/test_host_offloader.py", "tests/transfer/test_copy_engine.py",
                   "tests/transfer/test_faults.py", "tests/transfer/test_stack.py",
                   "tests/transfer/test_end_to_end.py", "tests/transfer/test_gather*.py",
-                  "tests/transfer/test_worker*.py", "tests/transfer/test_shutdown*.py"],
+                  "tests/transfer/test_worker*.py", "tests/transfer/test_shutdown*.py",
+                  "tests/transfer/test_device_indices.py"],
     },
     "transfer.storage": {
         "mutate": ["transfer/storage/*.py", "transfer/checksum.py", "transfer/prefix.py"],
         "tests": ["tests/transfer/test_storage.py", "tests/transfer/test_file_storage*.py",
                   "tests/transfer/test_redis_storage.py", "tests/transfer/test_checksum.py",
                   "tests/transfer/test_integrity.py", "tests/transfer/test_breaker.py",
-                  "tests/transfer/test_prefix*.py", "tests/transfer/test_lru*.py"],
+                  "tests/transfer/test_prefix*.py", "tests/transfer/test_lru*.py",
+                  "tests/transfer/test_storage_checks.py", "tests/transfer/test_writers.py",
+                  "tests/transfer/test_identity.py", "tests/transfer/test_layout.py",
+                  "tests/transfer/test_retention.py", "tests/transfer/test_log.py",
+                  "tests/transfer/test_redis_ask.py"],
     },
 }
 
