@@ -176,11 +176,14 @@ class HostOffloader:
             raise Closed("offloader is closed")
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
-        if isinstance(device_indices, torch.Tensor) and not on_host(device_indices):
-            return self._write_on_device(device_indices, ack_id)
-        slots = as_index_tensor(device_indices, "device indices")
-        view = slots.numpy()
-        n_pages = pages_of_slots(view, self.page_size, "device indices", self.kv.slots).shape[0]
+        on_device = isinstance(device_indices, torch.Tensor) and not on_host(device_indices)
+        if on_device:  # never read on the host (no device -> host sync on the scheduler thread)
+            check_device_indices(device_indices, self.page_size, "device indices")
+            n_pages = device_indices.shape[0] // self.page_size
+        else:
+            slots = as_index_tensor(device_indices, "device indices")
+            view = slots.numpy()
+            n_pages = pages_of_slots(view, self.page_size, "device indices", self.kv.slots).shape[0]
         if n_pages == 0:
             raise BadIndices("a write needs at least one page")
         pages = self.host.alloc_pages(n_pages)
@@ -190,10 +193,14 @@ class HostOffloader:
         if self._rejected_run:
             log.info("offloader.host_recovered", rejected=self._rejected_run)
             self._rejected_run = 0
-        if slots is device_indices:  # the copy runs later: never read the caller's own buffer then
-            slots = torch.from_numpy(view.copy())
+        # the copy runs later: never read the caller's own buffer then
+        if on_device:  # a device-side copy; the values (whole aligned pages in the pool) are checked
+            # where the copy runs: a bad chunk fails its copy (failed_writes, nothing stored)
+            slots, check = device_indices.to(torch.int64, copy=True), {"check_end": self.kv.slots}
+        else:
+            slots, check = (torch.from_numpy(view.copy()) if slots is device_indices else slots), {}
         try:
-            self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages))
+            self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages), **check)
         except BaseException:
             self.host.free_pages(pages)  # nothing was enqueued: the pages go back, the ack is never reported
             raise
@@ -205,37 +212,6 @@ class HostOffloader:
         self._stats.writes += 1
         if self.observer is not None:
             self._submitted[ack_id] = time.perf_counter()
-        return slots_of_pages(pages, self.page_size, ascending=True)
-
-    def _write_on_device(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
-        """``write`` of slot ids that live on the device (``req_to_token`` on CUDA): never read on
-        the host (no device -> host sync on the scheduler thread). Their shape is checked here; their
-        values (whole aligned pages inside the pool) where the copy runs: a bad chunk fails its copy
-        (``failed_writes``: nothing stored) instead of raising here."""
-        check_device_indices(device_indices, self.page_size, "device indices")
-        n_pages = device_indices.shape[0] // self.page_size
-        if n_pages == 0:
-            raise BadIndices("a write needs at least one page")
-        pages = self.host.alloc_pages(n_pages)
-        if pages is None:
-            self._rejected(ack_id, n_pages)
-            return None
-        if self._rejected_run:
-            log.info("offloader.host_recovered", rejected=self._rejected_run)
-            self._rejected_run = 0
-        slots = device_indices.to(torch.int64, copy=True)  # a device-side copy: the caller may reuse theirs
-        try:
-            self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages),
-                                check_end=self.kv.slots)
-        except BaseException:
-            self.host.free_pages(pages)
-            raise
-        host_pages = pages.tolist()
-        self._writes[ack_id] = (host_pages, slots)
-        if self.write_timeout_s is not None:
-            self._deadlines[ack_id] = self._clock() + self.write_timeout_s
-        self._landing.update(host_pages)
-        self._stats.writes += 1
         return slots_of_pages(pages, self.page_size, ascending=True)
 
     def _rejected(self, ack_id: int, n_pages: int) -> None:
