@@ -24,6 +24,16 @@ def on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not (type(t) is not torch.Tensor and getattr(t, "device_resident", False))
 
 
+def _check_int_1d(indices, what: str) -> None:
+    """A 1-D tensor of an integer dtype, or ``BadIndices`` naming ``what`` (reads no values)."""
+    if not isinstance(indices, torch.Tensor):
+        raise BadIndices(f"{what} must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype not in _INT_DTYPES:
+        raise BadIndices(f"{what} must have an integer dtype, got {indices.dtype}")
+    if indices.dim() != 1:
+        raise BadIndices(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+
+
 def check_device_indices(indices: torch.Tensor, page_size: int, what: str = "indices") -> None:
     """What can be checked of device-resident slot ids without reading them: an integer dtype,
     1-D, a whole number of pages. Their values (aligned pages, range) are checked where the copy
@@ -32,12 +42,7 @@ def check_device_indices(indices: torch.Tensor, page_size: int, what: str = "ind
     Raises:
         BadIndices: not a tensor, not an integer dtype, not 1-D, or not a whole number of pages.
     """
-    if not isinstance(indices, torch.Tensor):
-        raise BadIndices(f"{what} must be a torch.Tensor, got {type(indices).__name__}")
-    if indices.dtype not in _INT_DTYPES:
-        raise BadIndices(f"{what} must have an integer dtype, got {indices.dtype}")
-    if indices.dim() != 1:
-        raise BadIndices(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+    _check_int_1d(indices, what)
     if indices.shape[0] % page_size:
         raise BadIndices(f"{what}: {indices.shape[0]} slots is not a whole number of pages of {page_size}")
 
@@ -48,12 +53,7 @@ def as_index_tensor(indices: torch.Tensor, what: str = "indices") -> torch.Tenso
     Raises:
         BadIndices: not a tensor, not an integer dtype, or not 1-D.
     """
-    if not isinstance(indices, torch.Tensor):
-        raise BadIndices(f"{what} must be a torch.Tensor, got {type(indices).__name__}")
-    if indices.dtype not in _INT_DTYPES:
-        raise BadIndices(f"{what} must have an integer dtype, got {indices.dtype}")
-    if indices.dim() != 1:
-        raise BadIndices(f"{what} must be 1-D, got shape {tuple(indices.shape)}")
+    _check_int_1d(indices, what)
     if indices.dtype is torch.int64 and indices.device.type == "cpu":
         return indices  # already what we want: no ``.to`` call on the hot path
     return indices.to(device="cpu", dtype=torch.int64)
