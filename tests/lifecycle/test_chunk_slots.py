@@ -12,14 +12,12 @@ drop-in. The release plan refuses a slot another request's copy still reads, thr
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from lifecycle import InvalidRequest, LifecycleError, State
 from lifecycle.errors import InvalidSlots
+from tests.support.ranks import world  # noqa: F401 (fixture)
 from tests.support.real_rig import Rig
 
 PS = 4
@@ -180,18 +178,6 @@ def test_a_release_listing_a_slot_another_requests_copy_reads_is_refused_and_fre
                                            r"request 'a' \(ack 1"):
         rig.mgr.finalize_release_on_finish(b)
     assert frozen(rig) == before and rig.mgr.state_of(b) is None
-
-
-@pytest.fixture
-def world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_tp_manager_refuses_the_same_rows(world):

@@ -7,27 +7,12 @@ earlier one; storage ops likewise. ``tests/lifecycle/test_tp.py`` checks agreeme
 
 from __future__ import annotations
 
-import socket
-
-import pytest
-import torch.distributed as dist
 
 from lifecycle import State
+from tests.support.ranks import world  # noqa: F401 (fixture)
 from tests.support.real_rig import Rig
 
 PS = 4
-
-
-@pytest.fixture
-def world():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_later_copy_waits_for_the_earlier_one_then_both_settle_in_order(world):

@@ -1,10 +1,26 @@
-"""Run one child interpreter per TP rank and wait for all of them (tests only)."""
+"""TP ranks for tests: one child interpreter per rank (``run_ranks``), or a one-rank gloo group in
+process (the ``world`` fixture)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import pytest
+import torch.distributed as dist
+
+
+@pytest.fixture
+def world():
+    """A one-rank gloo process group on a free loopback port (an in-process TP manager's group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranks(commands: list[list[str]], *, cwd, env, timeout_s: float, hint: str = "") -> list[str]:
