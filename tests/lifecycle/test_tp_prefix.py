@@ -7,7 +7,6 @@ earlier one; storage ops likewise. ``tests/lifecycle/test_tp.py`` checks agreeme
 
 from __future__ import annotations
 
-
 from lifecycle import State
 from tests.support.ranks import world  # noqa: F401 (fixture)
 from tests.support.real_rig import Rig
