@@ -70,7 +70,7 @@ def snapshot_of(commit: str, dest: Path) -> None:
 def configure(snapshot: Path, group: str) -> tuple[list[str], list[str]]:
     """Write the group's [tool.mutmut] into the snapshot's pyproject; return (modules, tests)."""
     spec = GROUPS[group]
-    modules = expand(snapshot, spec["mutate"], NEVER_MUTATE)
+    modules = expand(snapshot, spec["mutate"], NEVER_MUTATE + spec.get("exclude", []))
     tests = expand(snapshot, spec["tests"], SLOW_OR_MULTIPROCESS_TESTS)
     pyproject = snapshot / "pyproject.toml"
     text = pyproject.read_text()

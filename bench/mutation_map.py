@@ -12,7 +12,8 @@ Left out of every group, with the reason:
   per-mutant switch, and each costs seconds of interpreter start per mutant;
 - ``test_model_check`` (35 s, exhaustive) and ``test_properties`` (hypothesis state machine):
   too slow per mutant; what they check is asserted directly by the manager's unit tests;
-- Mooncake (``transfer/storage/mooncake*.py``): its tests need a Mooncake master binary;
+- Mooncake (``transfer/storage/mooncake*.py``) is its own group, run against a real ``mooncake_master``
+  that its test fixtures start (``pip install -e '.[mooncake]'`` + Debian ``libibverbs1``);
 - ``lifecycle/integrations``: SGLang glue, mutated as its own group against its own tests.
 """
 
@@ -50,23 +51,31 @@ GROUPS: dict[str, dict[str, list[str]]] = {
     },
     "transfer.storage": {
         "mutate": ["transfer/storage/*.py", "transfer/checksum.py", "transfer/prefix.py"],
+        "exclude": ["transfer/storage/mooncake*.py"],
         "tests": ["tests/transfer/test_storage.py", "tests/transfer/test_file_storage*.py",
-                  "tests/transfer/test_redis_storage.py", "tests/transfer/test_checksum.py",
+                  "tests/transfer/test_redis_*.py", "tests/transfer/test_checksum.py",
                   "tests/transfer/test_integrity.py", "tests/transfer/test_breaker.py",
                   "tests/transfer/test_prefix*.py", "tests/transfer/test_lru*.py",
                   "tests/transfer/test_storage_checks.py", "tests/transfer/test_writers.py",
                   "tests/transfer/test_identity.py", "tests/transfer/test_layout.py",
-                  "tests/transfer/test_retention.py", "tests/transfer/test_log.py",
-                  "tests/transfer/test_redis_ask.py"],
+                  "tests/transfer/test_retention.py", "tests/transfer/test_log.py"],
+    },
+    "transfer.mooncake": {
+        "mutate": ["transfer/storage/mooncake*.py"],
+        "tests": ["tests/transfer/test_mooncake_*.py"],
+    },
+    "transfer.kv_events": {
+        "mutate": ["transfer/kv_events/*.py"],
+        "tests": ["tests/transfer/test_kv_events_*.py"],
     },
 }
 
-NEVER_MUTATE = ["transfer/storage/mooncake*.py", "*/__main__.py"]
+NEVER_MUTATE = ["*/__main__.py"]
 
 SLOW_OR_MULTIPROCESS_TESTS = [
     "tests/lifecycle/test_model_check.py", "tests/lifecycle/test_properties.py",
     "tests/lifecycle/test_tp.py", "tests/transfer/test_faults_kill.py",
-    "tests/transfer/test_cross_node.py", "tests/transfer/test_mooncake*.py",
+    "tests/transfer/test_cross_node.py", "tests/transfer/test_mooncake_cross_process.py",
     "tests/lifecycle/test_logging.py",
 ]
 
