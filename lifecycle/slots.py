@@ -28,6 +28,11 @@ from lifecycle.errors import InvalidSlots, LifecycleError
 from transfer.indices import on_host
 
 
+_SMALL = 256  # ids: at most this many take the byte-compare paths (cheaper than a NumPy reduction)
+_ZEROS = bytes(4 * _SMALL)
+_ONES = np.ones(_SMALL, dtype=np.int32).tobytes()
+
+
 class SlotsInFlight:
     """How many copies in flight (expired ones included, until they end) read each device slot.
 
@@ -41,7 +46,9 @@ class SlotsInFlight:
     def __init__(self) -> None:
         self._n = np.zeros(1024, dtype=np.int32)
         self._by_ack: dict = {}  # ack id -> (ids, lo, hi, run) as counted
-        self.planned = None  # (indices tensor, ids, lo, hi, run) of the chunk being planned
+        # (indices tensor, ids, lo, hi, run, unread) of the chunk being planned; ``unread``: the
+        # check saw every id's count at 0 (a run), so ``add`` sets them to 1 instead of adding
+        self.planned = None
 
     def add(self, ack: int, indices) -> None:
         """Count the copy ``ack`` reading ``indices`` (the tensor its plan checked)."""
@@ -54,17 +61,19 @@ class SlotsInFlight:
             if not a.shape[0]:
                 return
             a = np.unique(a)
-            p = (indices, a, int(a[0]), int(a[-1]), int(a[-1]) - int(a[0]) + 1 == a.shape[0])
-        _, a, lo, hi, run = p
+            p = (indices, a, int(a[0]), int(a[-1]), int(a[-1]) - int(a[0]) + 1 == a.shape[0], False)
+        _, a, lo, hi, run, unread = p
         if hi >= self._n.shape[0]:
             grown = np.zeros(max(2 * self._n.shape[0], hi + 1), dtype=np.int32)
             grown[: self._n.shape[0]] = self._n
             self._n = grown
-        if run:
+        if unread:
+            self._n[lo:hi + 1] = 1
+        elif run:
             self._n[lo:hi + 1] += 1
         else:
             self._n[a] += 1
-        self._by_ack[ack] = p[1:]  # the ids, not the tensor: a tuple of untracked parts leaves the collector
+        self._by_ack[ack] = (a, lo, hi, run)  # the ids, not the tensor: a tuple of untracked parts leaves the collector
 
     def remove(self, ack: int) -> None:
         """The copy ``ack`` ended: its slots are no longer read by it."""
@@ -73,7 +82,12 @@ class SlotsInFlight:
             return
         a, lo, hi, run = p
         if run:
-            self._n[lo:hi + 1] -= 1
+            window = self._n[lo:hi + 1]
+            k = window.shape[0]
+            if k <= _SMALL and window.tobytes() == _ONES[: 4 * k]:  # read by this copy only (the usual case)
+                window[:] = 0
+            else:
+                window -= 1
         else:
             self._n[a] -= 1
 
@@ -82,9 +96,10 @@ class SlotsInFlight:
         n = self._n
         if lo >= n.shape[0]:
             return None
-        if run:  # one run of consecutive ids: a slice, no gather
+        if run:  # one run of consecutive ids: a slice, no gather; a byte compare, no reduction
             window = n[lo:hi + 1]
-            if not window.any():
+            k = window.shape[0]
+            if (window.tobytes() == _ZEROS[: 4 * k]) if k <= _SMALL else not window.any():
                 return None
             return s[: window.shape[0]][window > 0]
         inside = s[s < n.shape[0]] if hi >= n.shape[0] else s
@@ -125,8 +140,12 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
     n = a.shape[0]
     if n == 0:
         return a, 0
-    s = a if n == 1 or (a[1:] > a[:-1]).all() else np.unique(a)
-    lo, hi = int(s[0]), int(s[-1])
+    lo, hi = int(a[0]), int(a[-1])
+    if n <= _SMALL and hi - lo + 1 == n and lo >= 0 and a.tobytes() == np.arange(lo, hi + 1, dtype=a.dtype).tobytes():
+        s = a  # one run of consecutive ids, ascending (a decode chunk's usual row): no sort, no reduction
+    else:
+        s = a if n == 1 or (a[1:] > a[:-1]).all() else np.unique(a)
+        lo, hi = int(s[0]), int(s[-1])
     if lo < 0:
         bad = int(a[int(np.flatnonzero(a < 0)[0])])
         raise InvalidSlots(f"request {rid!r}: row {row} lists slot {bad} at a position to {verb} {_span(ranges)}: "
@@ -149,7 +168,8 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
         raise InvalidSlots(f"request {rid!r}: row {row} lists slot {slot} at a position to {verb} {_span(ranges)}, "
                            f"which {_reader(mgr, slot)} still reads")
     if indices is not None:
-        probe = _probe(mgr)
+        holds = getattr(mgr.token_to_kv_pool_allocator, "holds_slots", None) if run else None
+        probe = None if holds is not None and holds(lo, hi) else _probe(mgr)
         if probe is not None:
             page = mgr._alloc_page
             firsts = (np.arange(lo // page, hi // page + 1, dtype=np.int64) if run else np.unique(s // page)) * page
@@ -160,7 +180,7 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             except Exception as err:
                 raise InvalidSlots(f"request {rid!r}: row {row} lists slots the allocator does not hold at positions "
                                    f"to {verb} {_span(ranges)}: {err}") from err
-        mgr._reading.planned = (indices, s, lo, hi, run)
+        mgr._reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
     return s, left_out
 
 

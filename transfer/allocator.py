@@ -63,6 +63,16 @@ class PagedTokenAllocator:
         """
         self._pages.check_free(self._page_ids(indices))
 
+    def holds_slots(self, lo: int, hi: int) -> bool:
+        """Whether every slot ``lo .. hi`` (ints) lies in range on a page this allocator holds.
+
+        The cheap form of ``check_free`` for one run of consecutive slots (a decode chunk's usual
+        row): a False asks the caller to call ``check_free`` for the reason. Changes nothing.
+        """
+        if lo < 0 or hi < lo or hi >= self.total_slots:
+            return False
+        return self._pages.holds_run(lo // self.page_size, hi // self.page_size)
+
     def free(self, indices: torch.Tensor) -> int:
         """Free every page any of ``indices`` lies on (each page once, however often it appears).
 

@@ -21,7 +21,7 @@ def on_host(t: torch.Tensor) -> bool:
     tensor's cannot (reading one waits for its stream: a device -> host sync), nor can a tensor
     that declares itself device-resident (``device_resident = True``: the test kit's stand-in for
     device memory on a machine without a GPU, ``lifecycle_tools.testkit.sync_trap``)."""
-    return t.device.type == "cpu" and not (type(t) is not torch.Tensor and getattr(t, "device_resident", False))
+    return t.is_cpu and not (type(t) is not torch.Tensor and getattr(t, "device_resident", False))
 
 
 def _check_int_1d(indices, what: str) -> None:

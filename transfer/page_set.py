@@ -13,6 +13,7 @@ import numpy as np
 from transfer.errors import BadIndices, DoubleFree, IntegrityError, NotAllocated
 
 _NEVER, _HELD, _RELEASED = 0, 1, 2
+_HELD_BYTES = bytes([_HELD]) * 4096  # a held run of up to this many pages compares as bytes
 
 
 class PageSet:
@@ -113,6 +114,14 @@ class PageSet:
                 raise NotAllocated(f"pages {never[:8].tolist()} were never allocated")
             raise DoubleFree(f"pages {pages[state == _RELEASED][:8].tolist()} are already free")
         return pages, lo, hi, run
+
+    def holds_run(self, lo: int, hi: int) -> bool:
+        """Whether every page ``lo .. hi`` (ints, ``lo <= hi``) is in range and held; changes nothing."""
+        if lo < 0 or hi < lo or hi >= self.end:
+            return False
+        k = hi - lo + 1
+        state = self._state[lo:hi + 1]
+        return state.tobytes() == _HELD_BYTES[:k] if k <= len(_HELD_BYTES) else bool((state == _HELD).all())
 
     def is_held(self, pages: np.ndarray) -> bool:
         """Whether every page in ``pages`` (valid ids) is currently held."""
