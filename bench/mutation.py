@@ -9,9 +9,16 @@ snapshot (``git archive``: the working tree, and whoever is editing it, is never
 the group's ``[tool.mutmut]`` section there (modules to mutate, test files to run), runs
 ``mutmut run`` at low priority and collects every mutant's outcome. It prints, per group and per
 package: mutants generated, killed, survived, timeout, no tests (code no selected test reaches),
-other (suspicious/segfault), known equivalent (listed in ``bench/mutation_equivalent.txt`` with
-the reason), not run (the group was stopped first) and the kill rate = (killed + timeout) /
-(generated - equivalent - no tests - not run). ``--report-only`` reprints a finished run's table.
+crashed (the test run died of a signal: SIGSEGV, or SIGKILL past the CPU limit — the
+mutant did not pass, counted as detected), other (suspicious), known equivalent (listed in ``bench/mutation_equivalent.txt`` with
+the reason), not run (the group was stopped first) and the kill rate = (killed + timeout +
+crashed) / (generated - equivalent - no tests - not run).
+
+``--resume-from REV`` starts each group from REV's finished snapshot instead of from scratch:
+the library files are replaced by this commit's (mutmut regenerates them and resets the outcomes
+of every function whose code changed), the tests are this commit's (new tests get their stats
+run), and REV's survivors that kept their outcome are run again by name. A killed mutant of an
+unchanged function stays killed: tests are only ever added or tightened. ``--report-only`` reprints a finished run's table.
 Survivor diffs go to ``{workdir}/{commit}/{group}.survivors.txt`` and all outcomes to
 ``{workdir}/{commit}/results.json``.
 """
@@ -43,8 +50,10 @@ from bench.mutation_map import (  # noqa: E402
 
 EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
 KILLED = {"killed", "caught by type check"}
+# the test run died of a signal (SIGSEGV, or SIGKILL after the CPU limit): the mutant did not pass
+CRASHED = {"segfault"}
 PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "--hypothesis-seed=0"]
-COLUMNS = ("generated", "killed", "survived", "timeout", "no tests", "other", "not run", "equivalent")
+COLUMNS = ("generated", "killed", "survived", "timeout", "crashed", "no tests", "other", "not run", "equivalent")
 
 
 def expand(snapshot: Path, patterns: list[str], exclude: list[str] = ()) -> list[str]:
@@ -88,33 +97,77 @@ use_git_change_detection = false
     return modules, tests
 
 
-def run_group(commit_dir: Path, commit: str, group: str, max_children: int) -> dict:
+def overlay(commit: str, dest: Path, previous: Path) -> None:
+    """``previous``'s snapshot (mutmut's state: mutants, outcomes, test stats) with ``commit``'s tree
+    over it: changed library files are touched so mutmut regenerates them and resets the outcomes
+    of the functions whose code changed; unchanged functions keep theirs."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(previous, dest, symlinks=True)
+    for top in [*LIBRARY, *ALSO_COPY, "pyproject.toml"]:
+        path = dest / top
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    now = time.time()
+    for top in LIBRARY:
+        for f in (dest / top).rglob("*.py"):
+            os.utime(f, (now, now))
+
+
+def _mutmut(snapshot: Path, env: dict, log: Path, args: list[str]) -> int:
+    with open(log, "ab") as out:  # its own process group: stopping the campaign stops its workers
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("mutmut")), *args], cwd=snapshot,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait()
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGTERM)
+            raise
+
+
+def run_group(commit_dir: Path, commit: str, group: str, max_children: int, previous: Path | None = None) -> dict:
     snapshot = commit_dir / group
-    snapshot_of(commit, snapshot)
+    survived_before = []
+    if previous is not None and (previous / group).is_dir():
+        old = json.loads((previous / "results.json").read_text()) if (previous / "results.json").exists() else []
+        survived_before = [m for r in old if r["group"] == group for m, s in r["outcomes"].items() if s == "survived"]
+        overlay(commit, snapshot, previous / group)
+    else:
+        snapshot_of(commit, snapshot)
     modules, tests = configure(snapshot, group)
     mutmut = Path(sys.executable).with_name("mutmut")
     # mutmut puts mutants/ first on sys.path itself (a PYTHONPATH entry breaks its test run).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["CI"] = "true"  # a test that needs a server fails instead of skipping
     log = commit_dir / f"{group}.log"
+    log.unlink(missing_ok=True)
     start = time.monotonic()
-    with open(log, "wb") as out:  # its own process group: stopping the campaign stops its workers
-        proc = subprocess.Popen([str(mutmut), "run", "--max-children", str(max_children)], cwd=snapshot,
-                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait()
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGTERM)
-            raise
-    wall = time.monotonic() - start
-    listing = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=snapshot, env=env,
+    rc = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children)])
+
+    def listing() -> dict[str, str]:
+        out = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=snapshot, env=env,
                              capture_output=True, text=True).stdout
-    outcomes = dict(line.strip().rsplit(": ", 1) for line in listing.splitlines() if ": " in line)
+        return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
+
+    outcomes = listing()
+    # resumed: the previous run's survivors whose function did not change kept "survived"; run
+    # them again against today's tests (mutmut re-runs a finished mutant only when named)
+    again = [m for m in survived_before if outcomes.get(m) == "survived"]
+    for i in range(0, len(again), 200):
+        rc = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children), *again[i:i + 200]]) or rc
+    if again:
+        outcomes = listing()
+    wall = time.monotonic() - start
     survivors = [m for m, s in outcomes.items() if s == "survived"]
     subprocess.run([sys.executable, "-c", _SHOW_ALL, str(commit_dir / f"{group}.survivors.txt"), *survivors],
                    cwd=snapshot, env=env, check=False)
     return {"group": group, "rc": rc, "wall_s": round(wall, 1), "modules": modules, "tests": tests,
-            "outcomes": outcomes}
+            "outcomes": outcomes, "resumed_from": previous.name if survived_before else None,
+            "rerun_survivors": len(again)}
 
 
 # one process for every survivor's diff (``mutmut show`` per mutant costs an interpreter start each)
@@ -146,6 +199,8 @@ def tally(outcomes: dict[str, str], equivalent: dict[str, str]) -> Counter:
             c["killed"] += 1
         elif status == "survived":
             c["equivalent" if name in equivalent else "survived"] += 1
+        elif status in CRASHED:
+            c["crashed"] += 1
         elif status in ("timeout", "no tests"):
             c[status] += 1
         elif status in ("not checked", "check was interrupted by user"):
@@ -157,7 +212,7 @@ def tally(outcomes: dict[str, str], equivalent: dict[str, str]) -> Counter:
 
 def kill_rate(c: Counter) -> str:
     judged = c["generated"] - c["equivalent"] - c["no tests"] - c["not run"]
-    return f"{100 * (c['killed'] + c['timeout']) / judged:.1f}%" if judged else "-"
+    return f"{100 * (c['killed'] + c['timeout'] + c['crashed']) / judged:.1f}%" if judged else "-"
 
 
 def print_table(rows: list[tuple[str, Counter, float | None]]) -> None:
@@ -194,6 +249,8 @@ def main() -> None:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--report-only", action="store_true", help="print the table of a finished run")
+    ap.add_argument("--resume-from", metavar="REV", help="start each group from REV's finished snapshot: only "
+                    "mutants of changed functions and REV's survivors are run again")
     args = ap.parse_args()
     os.nice(args.nice)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.commit],
@@ -203,8 +260,13 @@ def main() -> None:
     results_file = commit_dir / "results.json"
     done = {r["group"]: r for r in json.loads(results_file.read_text())} if results_file.exists() else {}
     print(f"mutation campaign on {commit}, groups {', '.join(args.groups)}", flush=True)
+    previous = None
+    if args.resume_from:
+        old = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.resume_from],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        previous = args.workdir.resolve() / old
     for group in [] if args.report_only else args.groups:
-        r = run_group(commit_dir, commit, group, args.max_children)
+        r = run_group(commit_dir, commit, group, args.max_children, previous)
         done[group] = r
         results_file.write_text(json.dumps(list(done.values()), indent=1))
         print(f"  {group}: {len(r['outcomes'])} mutants in {r['wall_s']:.0f} s (mutmut rc {r['rc']})",
