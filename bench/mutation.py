@@ -49,6 +49,10 @@ from bench.mutation_map import (  # noqa: E402
 )
 
 EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
+# a mutant's test run may take this many times the tests' measured time (+1 s) before it is called
+# a timeout (mutmut's default is 15): a hung copy thread then costs seconds, not a minute, while a
+# run slowed by two or three other processes on the cores is still far inside the bound
+TIMEOUT_MULTIPLIER = 6.0
 KILLED = {"killed", "caught by type check"}
 # the test run died of a signal (SIGSEGV, or SIGKILL after the CPU limit): the mutant did not pass
 CRASHED = {"segfault"}
@@ -93,6 +97,7 @@ also_copy = {toml_list(ALSO_COPY)}
 pytest_add_cli_args = {toml_list(PYTEST_ARGS + [f"--deselect={t}" for t in DESELECT])}
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 use_git_change_detection = false
+timeout_multiplier = {TIMEOUT_MULTIPLIER}
 """)
     return modules, tests
 
