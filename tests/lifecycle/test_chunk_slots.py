@@ -193,3 +193,55 @@ def test_a_tp_manager_refuses_the_same_rows(world):
     rig.pool.req_to_token[a.kv.req_pool_idx, 13] = -1    # a later chunk of a
     with pytest.raises(InvalidSlots, match="lists slot -1"):
         rig.decode(a, 4)
+
+
+@pytest.mark.parametrize("bad", ["repeated", "swapped", "minus_one", "good"])
+def test_a_chunk_longer_than_the_byte_compare_path_is_checked_the_same_way(bad):
+    """A chunk of 304 slot ids (more than ``lifecycle.slots._SMALL``) goes through the NumPy path
+    of the check: the same refusals, and a good row counts every slot read exactly once."""
+    rig = Rig(PS, stride=304, rows=2, width=512)
+    req, _ = rig.admit("long", 8, 320, outputs=tuple(7000 + i for i in range(305)))
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 312
+    row = req.kv.req_pool_idx
+    table = rig.pool.req_to_token
+    if bad == "repeated":
+        table[row, 150] = table[row, 40]
+    elif bad == "swapped":                               # distinct, but not ascending: sorted, then checked
+        table[row, [40, 41]] = table[row, [41, 40]]
+    elif bad == "minus_one":
+        table[row, 311] = -1
+    before = frozen(rig)
+    if bad in ("repeated", "minus_one"):
+        with pytest.raises(InvalidSlots, match=r"request 'long': row \d+ lists"):
+            rig.mgr.offload_kv_cache(req)
+        assert frozen(rig) == before and rig.mgr.state_of(req) is None
+        return
+    assert rig.mgr.offload_kv_cache(req) is True
+    assert rig.mgr._reading.total() == 304
+    rig.off.land()
+    rig.progress()
+    assert rig.mgr._reading.total() == 0
+
+
+def test_slot_counts_stay_exact_when_copies_overlap_outside_the_check():
+    """Copies counted without a plan (``add`` deriving the ids) may overlap: the counts are kept per
+    copy, so the slots stay read until the last of them ends, for a run and for scattered ids."""
+    from lifecycle.slots import SlotsInFlight
+
+    reading = SlotsInFlight()
+    run = torch.arange(2000, 2016, dtype=torch.int64)       # beyond the initial table: it grows
+    scattered = torch.tensor([5, 9, 2003], dtype=torch.int64)
+    reading.add(1, run)
+    reading.add(2, run)
+    reading.add(3, scattered)
+    ids = run.numpy()
+    assert reading.total() == 35 and reading.read(ids, 2000, 2015, True) is not None
+    reading.remove(1)
+    assert reading.total() == 19
+    assert reading.read(ids, 2000, 2015, True).tolist() == ids.tolist()   # copy 2 still reads them
+    reading.remove(2)
+    assert reading.read(ids, 2000, 2015, True).tolist() == [2003]         # copy 3's slot only
+    assert reading.reader(2003) == 3 and reading.reader(2004) is None
+    reading.remove(3)
+    reading.remove(3)                                                     # a second end changes nothing
+    assert reading.total() == 0 and reading.read(ids, 2000, 2015, True) is None

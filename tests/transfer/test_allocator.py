@@ -123,3 +123,25 @@ def test_check_free_agrees_with_free_under_churn():
         if expected is not None:
             assert a.available_size() == before
     a.check_integrity()
+
+
+def test_holds_slots_says_what_check_free_of_the_run_would_say():
+    """``holds_slots(lo, hi)`` is the cheap form of ``check_free`` for one run of slots: True exactly
+    when ``check_free(arange(lo, hi + 1))`` would pass, whatever the range (padding page, released
+    and never-allocated pages, out of range, negative, empty)."""
+    a = PagedTokenAllocator(256, 4)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(150):
+        a.alloc(int(torch.randint(1, 12, (1,), generator=g)))
+        if int(torch.randint(0, 3, (1,), generator=g)) == 0:
+            victim = torch.randint(4, a.total_slots, (1,), generator=g)
+            if _outcome(lambda: a.check_free(victim)) is None:
+                a.free(victim)
+        lo = int(torch.randint(-3, a.total_slots + 3, (1,), generator=g))
+        hi = lo + int(torch.randint(-1, 14, (1,), generator=g))
+        before = a.available_size()
+        run = torch.arange(lo, hi + 1) if hi >= lo else None
+        expected = run is not None and _outcome(lambda: a.check_free(run)) is None
+        assert a.holds_slots(lo, hi) is expected, (lo, hi)
+        assert a.available_size() == before
+    a.check_integrity()

@@ -65,3 +65,32 @@ def test_one_run_and_scattered_frees_and_reserved_page():
         ps.free(np.array([0]))  # the reserved page
     assert ps.alloc(6).tolist() == [1, 3, 4, 5, 7, 9]  # merged and sorted
     ps.check_integrity()
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops)
+def test_holds_run_agrees_with_the_model_for_every_run(seq):
+    ps = PageSet(20, first=1)
+    held = set()
+    for op, arg in seq:
+        if op == "alloc":
+            got = ps.alloc(arg)
+            held |= set() if got is None else set(got.tolist())
+        else:
+            try:
+                ps.free(np.array(arg, dtype=np.int64))
+            except (BadIndices, NotAllocated, DoubleFree):
+                continue
+            held -= set(arg)
+    for lo in range(-1, 21):
+        for hi in range(lo - 1, 22):
+            expected = 0 <= lo <= hi < 20 and all(p in held for p in range(lo, hi + 1))
+            assert ps.holds_run(lo, hi) is expected, (lo, hi, sorted(held))
+
+
+def test_holds_run_of_more_pages_than_its_byte_compare_covers():
+    ps = PageSet(5000)
+    ps.alloc(5000)
+    assert ps.holds_run(0, 4999) is True                 # 5000 pages: the NumPy comparison
+    ps.free(np.array([4321]))
+    assert ps.holds_run(0, 4999) is False and ps.holds_run(0, 4320) is True
