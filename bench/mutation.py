@@ -14,7 +14,8 @@ mutant did not pass, counted as detected), other (suspicious), known equivalent 
 the reason), not run (the group was stopped first) and the kill rate = (killed + timeout +
 crashed) / (generated - equivalent - no tests - not run).
 
-``--resume-from REV`` starts each group from REV's finished snapshot instead of from scratch:
+``--continue`` goes on with a stopped run of the same commit (a group's snapshot is kept, and
+mutmut runs only the mutants that have no outcome yet). ``--resume-from REV`` starts each group from REV's finished snapshot instead of from scratch:
 the library files are replaced by this commit's (mutmut regenerates them and resets the outcomes
 of every function whose code changed), the tests are this commit's (new tests get their stats
 run), and REV's survivors that kept their outcome are run again by name. A killed mutant of an
@@ -134,10 +135,13 @@ def _mutmut(snapshot: Path, env: dict, log: Path, args: list[str]) -> int:
             raise
 
 
-def run_group(commit_dir: Path, commit: str, group: str, max_children: int, previous: Path | None = None) -> dict:
+def run_group(commit_dir: Path, commit: str, group: str, max_children: int, previous: Path | None = None,
+              resume: bool = False) -> dict:
     snapshot = commit_dir / group
     survived_before = []
-    if previous is not None and (previous / group).is_dir():
+    if resume and (snapshot / "mutants").is_dir():
+        pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet
+    elif previous is not None and (previous / group).is_dir():
         old = json.loads((previous / "results.json").read_text()) if (previous / "results.json").exists() else []
         survived_before = [m for r in old if r["group"] == group for m, s in r["outcomes"].items() if s == "survived"]
         overlay(commit, snapshot, previous / group)
@@ -149,7 +153,8 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["CI"] = "true"  # a test that needs a server fails instead of skipping
     log = commit_dir / f"{group}.log"
-    log.unlink(missing_ok=True)
+    if not resume:
+        log.unlink(missing_ok=True)
     start = time.monotonic()
     rc = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children)])
 
@@ -254,6 +259,8 @@ def main() -> None:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--report-only", action="store_true", help="print the table of a finished run")
+    ap.add_argument("--continue", dest="resume", action="store_true",
+                    help="go on with a stopped run of the same commit (its snapshots kept)")
     ap.add_argument("--resume-from", metavar="REV", help="start each group from REV's finished snapshot: only "
                     "mutants of changed functions and REV's survivors are run again")
     args = ap.parse_args()
@@ -271,7 +278,7 @@ def main() -> None:
                              check=True, capture_output=True, text=True).stdout.strip()
         previous = args.workdir.resolve() / old
     for group in [] if args.report_only else args.groups:
-        r = run_group(commit_dir, commit, group, args.max_children, previous)
+        r = run_group(commit_dir, commit, group, args.max_children, previous, args.resume)
         done[group] = r
         results_file.write_text(json.dumps(list(done.values()), indent=1))
         print(f"  {group}: {len(r['outcomes'])} mutants in {r['wall_s']:.0f} s (mutmut rc {r['rc']})",
