@@ -21,6 +21,7 @@ import torch
 from lifecycle.integrations.sglang.install import _release_hook
 from lifecycle_tools.testkit.sglang_doubles import release_kv_cache
 from lifecycle_tools.testkit.sync_trap import HostSync, allowing, as_device_resident, no_host_sync
+from transfer.gather import check_ids_on_device
 from tests.integrations.sglang_kit import Node, doubles_kit, hicache_file_get, hicache_file_suffix
 from tests.integrations.test_sglang import MODEL, build, expected_pages, store_dir  # noqa: F401
 
@@ -201,6 +202,7 @@ def test_on_cuda_under_sync_debug_mode_error(store_dir, mla):  # noqa: F811
         torch.cuda.set_sync_debug_mode("error")
         while not mgr.idle():
             mgr.check_offload_progress()
+        torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()  # (unarmed) every device-side release check has landed
         torch.cuda.set_sync_debug_mode("error")
         mgr.check_offload_progress()
@@ -364,9 +366,10 @@ def test_on_cuda_a_bad_release_row_is_reported_without_a_sync(store_dir, corrupt
     req, _ = _finished_request(node, corrupt)
     freed, free_kv_row = [], node.tree.free_kv_row.__wrapped__
     node.tree.free_kv_row = lambda kv, ranges: freed.append((kv, ranges))  # SGLang's free (it syncs): after
+    check_ids_on_device(torch.arange(8, device="cuda"), 8)  # its kernels loaded (lazy loading) before the clock
     with structlog.testing.capture_logs() as logs:
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # the current stream busy for a while (~0.1 s)
+        torch.cuda._sleep(1_000_000_000)  # the current stream busy for a while (~0.5 s)
         torch.cuda.set_sync_debug_mode("error")
         try:
             mgr.finalize_release_on_finish(req)
