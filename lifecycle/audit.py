@@ -21,4 +21,7 @@ ALL = (TRANSITION, CHUNK_ENQUEUED, CHUNK_LANDED, HOST_SHORT, STORED, RELEASED, L
 HOST_SHORT_SUMMARY = "lifecycle.host_short_summary"  # refused, total, interval_s (a WARNING, rate-limited)
 ABANDONED = "lifecycle.abandoned"          # pending, acks, copies, held_slots, quarantined_slots, why (shutdown(force=True))
 DRAIN_STOPPED = "lifecycle.drain_stopped"  # error (shutdown(force=True): a progress check raised while draining)
-ALL = ALL + (HOST_SHORT_SUMMARY, ABANDONED, DRAIN_STOPPED)
+BAD_RELEASE_ROW = "lifecycle.bad_release_row"  # rid, row, gen, ranges, problem, counts (an ERROR, rate-limited:
+#                                                 a released device row's slot ids found bad on the device)
+RELEASE_CHECKS_UNREAD = "lifecycle.release_checks_unread"  # unread, why (device-side release checks dropped unread)
+ALL = ALL + (HOST_SHORT_SUMMARY, ABANDONED, DRAIN_STOPPED, BAD_RELEASE_ROW, RELEASE_CHECKS_UNREAD)

@@ -19,7 +19,8 @@ from lifecycle.states import Facts, Refusal, decide
 BUSY, CLOSED = "busy", "closed"
 # per-operation alerts: one per chunk, copy or request, so a failing device or tier repeats them
 PER_OP_ALERTS = frozenset((audit.COPY_FAILED, audit.CHUNK_LANDED, audit.COPY_EXPIRED, audit.EXPIRED_COPY_ENDED,
-                           audit.HOST_SHORT, audit.LEAKED, audit.REFUSED))
+                           audit.HOST_SHORT, audit.LEAKED, audit.REFUSED, audit.BAD_RELEASE_ROW,
+                           audit.RELEASE_CHECKS_UNREAD))
 _ALERT_LEVELS = {"warning": logging.WARNING, "error": logging.ERROR}
 HOST_SHORT_WARN_S = 60.0  # at most one host-pool-short warning per this many seconds
 
@@ -113,6 +114,8 @@ def shutdown(mgr, force: bool, timeout_s: float):
         busy = not mgr.idle()
         if busy and not force:
             raise LifecycleError(f"shutdown refused: {pending.describe()}")
+        if mgr._release_checks:  # device-side release checks: the landed ones read, the rest dropped
+            settle.release_checks(mgr, final=True)
         if busy:
             mgr._abandoned += pending.copies + pending.storage_ops
             mgr._emit(mgr._log.error, audit.ABANDONED, pending=pending.describe(),

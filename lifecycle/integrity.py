@@ -67,6 +67,7 @@ def stats(mgr) -> Stats:
         unsettled=len(mgr._landed) + len(mgr._stored),
         transitions=dict(mgr._by_event),
         abandoned=mgr._abandoned,
+        bad_release_rows=mgr._bad_release_rows,
     )
 
 

@@ -23,7 +23,7 @@ from lifecycle.calls import BUSY, CLOSED, CallGate, shutdown
 from lifecycle.log import RateLimitedLog, get_logger
 from lifecycle.machine import EVENTS
 from lifecycle.records import OffloadedState, Record, Stats
-from lifecycle.release import AllocatorReleaseSink, plan_release
+from lifecycle.release import AllocatorReleaseSink, plan_release, slot_end
 from lifecycle.slots import SlotsInFlight
 from lifecycle.requests import check_shape, initial_progress, plan_chunk, read_request
 from lifecycle.states import Facts, Refusal, State, decide
@@ -102,6 +102,9 @@ class DecodeOffloadManager(CallGate):
         self._by_event: dict[str, int] = {}  # state changes by trigger (work.record_transition)
         self._refusals: dict[str, int] = {}  # refused calls by "TRIGGER in STATE" (calls._count_refusal)
         self._abandoned = 0  # copies + storage ops a forced shutdown's bound cut off
+        self._slot_end = slot_end(offloader, token_to_kv_pool_allocator)  # device pool's slots (None: unknown)
+        self._release_checks: deque = deque()  # ReleaseCheck of released device rows, read by progress checks
+        self._bad_release_rows = 0
         self._host_short_warned_at, self._host_short_since_warning = None, 0
         self._fire = {name: event.trigger for name, event in EVENTS.items()}
         table.OFFLOADERS.claim(offloader, self)
@@ -155,6 +158,10 @@ class DecodeOffloadManager(CallGate):
     def check_offload_progress(self) -> None:
         """Settle landed copies and finished storage ops; release finished requests. Never blocks.
 
+        First reads the device-side checks of device rows released before (``ReleasePlan.
+        device_check``) whose verdict has landed, and reports a bad row (``stats().bad_release_rows``,
+        ``lifecycle.bad_release_row`` at ERROR).
+
         With a ``tp_group``, ranks first agree (MIN across ranks) on how many completions to act
         on, counted as the prefix of work in issue order that has completed, and act on exactly
         those. Without one, every completion reported so far is settled.
@@ -171,6 +178,8 @@ class DecodeOffloadManager(CallGate):
         try:
             if self._dropped:
                 table.drain_dropped(self)
+            if self._release_checks:  # released device rows: their device-side checks, once landed
+                settle.release_checks(self)
             settle.progress(self)
         finally:
             self._leave()

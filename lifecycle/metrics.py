@@ -69,6 +69,8 @@ class Metrics:
         self.pages_offloaded = counter("pages_offloaded", "Pages in the chunks handed to the offloader")
         self.bytes_offloaded = counter("bytes_offloaded", "Bytes of the pages handed to the offloader")
         self.copies_failed = counter("copies_failed", "Device -> host copies that failed or expired", ("reason",))
+        self.bad_release_rows = counter("bad_release_rows", "Released device rows whose slot ids the device-side "
+                                        "check found bad (negative, past the pool, repeated): reported, not refused")
         self.pages_stored = counter("storage_pages", "Pages a storage tier was asked to store, by result (new: "
                                     "written; already_there: skipped)", ("tier", "result"))
         self.op_failures = counter("storage_op_failures", "Storage operations that failed, by tier and op "
@@ -133,6 +135,7 @@ class Metrics:
         self._count(self.bytes_offloaded, m.pages_enqueued * s.page_nbytes)
         self._count(self.copies_failed, m.copy_failures, reason="failed")
         self._count(self.copies_failed, m.copies_expired, reason="expired")
+        self._count(self.bad_release_rows, m.bad_release_rows)
         for state, n in m.by_state.items():
             self._set(self.by_state, n, state=state)
         self._set(self.copies_in_flight, m.inflight_writes)

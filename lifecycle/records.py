@@ -95,6 +95,20 @@ class Quarantine(msgspec.Struct, gc=False):
     disowned: bool = False
 
 
+class ReleaseCheck(msgspec.Struct, gc=False):
+    """The device-side check of a released device row's slot ids (``transfer.gather.
+    check_ids_on_device``): ``verdict`` is host memory the device writes after the release call
+    returned; a later ``check_offload_progress`` reads it once ``event`` has fired (None: off CUDA,
+    there at once). ``rid``, ``row``, ``gen``, ``ranges``: what the report names."""
+
+    rid: object
+    row: int
+    gen: int
+    ranges: tuple
+    verdict: object  # int64 host tensor (pinned on CUDA), transfer.gather.ID_VERDICT
+    event: object = None  # torch.cuda.Event recorded after the verdict's copy
+
+
 class Stats(msgspec.Struct):
     """Counters; cheap to take at any time."""
 
@@ -115,6 +129,7 @@ class Stats(msgspec.Struct):
     unsettled: int = 0  # completions reported by the offloader, not settled yet (check_offload_progress)
     transitions: dict[str, int] = msgspec.field(default_factory=dict)  # state changes by trigger
     abandoned: int = 0  # copies and storage ops still in flight when shutdown(force=True)'s bound ran out
+    bad_release_rows: int = 0  # released device rows whose slot ids the device-side check found bad (reported)
 
 
 class RecordView(msgspec.Struct):

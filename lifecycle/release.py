@@ -19,6 +19,8 @@ import numpy as np
 import torch
 
 from lifecycle.errors import InvalidRequest, LifecycleError
+from lifecycle.records import ReleaseCheck
+from transfer.gather import check_ids_on_device
 from transfer.indices import on_host
 from lifecycle.slots import check_slots
 
@@ -43,6 +45,9 @@ class ReleasePlan(msgspec.Struct, frozen=True, gc=False):
         committed: KV tokens committed (``effective_kv_committed_len()`` or ``kv_committed_len``).
         allocated: KV slots allocated (``kv.kv_allocated_len``).
         quarantined: how many of the ranges' slots were left out because a stuck copy may read them.
+        device_check: for a row on a device (not read on the host), the device-side check of
+            ``slots`` issued with the plan (``lifecycle.records.ReleaseCheck``), read at a later
+            progress check; None for a row checked on the host.
     """
 
     req: object
@@ -53,6 +58,7 @@ class ReleasePlan(msgspec.Struct, frozen=True, gc=False):
     committed: int
     allocated: int
     quarantined: int = 0
+    device_check: object = None  # ReleaseCheck (device rows)
 
 
 @runtime_checkable
@@ -129,17 +135,39 @@ def release_ranges(committed: int, allocated: int, alloc_page: int) -> tuple:
     return tuple(ranges)
 
 
+def slot_end(offloader, allocator) -> int | None:
+    """The device KV pool's slot count, when the pools tell it without reading device memory: the
+    offloader's device pool (``offloader.kv.slots``: ``transfer.KVPool``, SGLang's buffers through
+    ``LayeredKVPool``), else the allocator's ``total_slots`` (``transfer.PagedTokenAllocator``), else
+    ``size + page_size`` of an allocator with both (SGLang's allocators: its KV buffers are that
+    long, page 0 the padding). None: unknown (a device row's ids are checked for negatives and
+    repeats only)."""
+    for n in (getattr(getattr(offloader, "kv", None), "slots", None), getattr(allocator, "total_slots", None)):
+        if _count(n):
+            return n
+    size, page = getattr(allocator, "size", None), getattr(allocator, "page_size", None)
+    return size + page if _count(size) and _count(page) else None
+
+
+def _count(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
 def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     """The validated plan for releasing ``req`` (read by ``lifecycle.requests.read_request``).
 
     A row in host memory goes through ``lifecycle.slots.check_slots``, the check every chunk plan
     makes too (the allocator is asked through the release sink). A row on a device
     (``req_to_token`` on CUDA) is never read on the host here: the plan's slots stay on the device as
-    the row lists them (not sorted, not deduplicated) and their values are not checked for -1 or
-    repeats (SGLang's own manager does not check them either; its release sink frees by ranges). The
-    one exception: a request one of whose copies expired (past ``write_timeout_s``, or discarded when
-    SGLang's TP=1 release wait ran out) reads its slots on the host, is checked, and leaves the
-    quarantined ones out.
+    the row lists them (not sorted, not deduplicated), and their values are checked on the device
+    (``transfer.gather.check_ids_on_device``: not negative, below the pool's slot count when the
+    pools tell it, ``mgr._slot_end``, distinct), issued here on the current stream. That verdict
+    lands in host memory after this call returns, so it cannot refuse the release: a later
+    ``check_offload_progress`` reads it once it has landed and reports a bad row (counted in
+    ``stats().bad_release_rows``, logged as ``lifecycle.bad_release_row``). The one exception: a
+    request one of whose copies expired (past ``write_timeout_s``, or discarded when SGLang's TP=1
+    release wait ran out) reads its slots on the host, is checked, and leaves the quarantined ones
+    out.
 
     Raises:
         InvalidSlots: the row lists a negative slot id (-1: never written), the same slot twice
@@ -151,15 +179,19 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     ranges = release_ranges(committed, allocated, mgr._alloc_page)
     table = mgr.req_to_token_pool.req_to_token
     slots = _row_slots(table, row_id, ranges)
-    n_quarantined = 0
-    if slots.numel() and (on_host(slots) or quarantined is not None):
-        # host rows always; on a device row, the one host read: a stuck copy's quarantine
-        held = None if quarantined is None else _as_numpy(quarantined)
-        ids, n_quarantined = check_slots(mgr, rec.rid, row_id, ranges, _as_numpy(slots), "free", quarantined=held)
-        slots = torch.from_numpy(ids) if ids.shape[0] else _EMPTY
-        if not on_host(table):
-            slots = slots.to(table.device)
-    plan = ReleasePlan(req, rec.rid, row_id, ranges, slots, committed, allocated, n_quarantined)
+    n_quarantined, check = 0, None
+    if slots.numel():
+        if on_host(slots) or quarantined is not None:
+            # host rows always; on a device row, the one exception: a stuck copy's quarantine
+            held = None if quarantined is None else _as_numpy(quarantined)
+            ids, n_quarantined = check_slots(mgr, rec.rid, row_id, ranges, _as_numpy(slots), "free", quarantined=held)
+            slots = torch.from_numpy(ids) if ids.shape[0] else _EMPTY
+            if not on_host(table):
+                slots = slots.to(table.device)
+        else:  # a device row: checked where it lives, the verdict read by a later progress check
+            verdict, event = check_ids_on_device(slots, mgr._slot_end)
+            check = ReleaseCheck(rec.rid, row_id, rec.generation, ranges, verdict, event)
+    plan = ReleasePlan(req, rec.rid, row_id, ranges, slots, committed, allocated, n_quarantined, check)
     mgr.release_sink.check(plan)
     return plan
 

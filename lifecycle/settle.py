@@ -7,8 +7,9 @@ import torch
 
 from lifecycle import audit
 from lifecycle.errors import LifecycleError, UnknownCompletion
-from lifecycle.records import Chunk, Quarantine, StorageOp
+from lifecycle.records import Chunk, Quarantine, ReleaseCheck, StorageOp
 from lifecycle.states import State
+from transfer.gather import ids_verdict
 
 _INFLIGHT, _FINISHED = State.INFLIGHT, State.FINISHED
 
@@ -164,6 +165,67 @@ def on_stored(mgr, op: StorageOp) -> None:
     if mgr._debug:
         mgr._emit(mgr._log.debug, audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,
                   first_hash=op.first_hash, last_hash=op.last_hash)
+
+
+MAX_RELEASE_CHECKS = 1024  # device-side release checks kept unread (a scheduler that never polls)
+
+
+def queue_release_check(mgr, check: ReleaseCheck) -> None:
+    """A device row was released: keep its device-side check until a progress check reads it.
+
+    Bounded: past ``MAX_RELEASE_CHECKS`` unread (progress checks not called), the landed ones are
+    read now and, if still too many, the oldest are dropped unread (``lifecycle.release_checks_unread``).
+    """
+    checks = mgr._release_checks
+    checks.append(check)
+    if len(checks) > MAX_RELEASE_CHECKS:
+        release_checks(mgr)
+        if len(checks) > MAX_RELEASE_CHECKS:
+            drop = len(checks) - MAX_RELEASE_CHECKS
+            for _ in range(drop):
+                checks.popleft()
+            mgr._emit(mgr._log.warning, audit.RELEASE_CHECKS_UNREAD, unread=drop,
+                      why=f"more than {MAX_RELEASE_CHECKS} released device rows not yet checked: "
+                          f"is check_offload_progress called?")
+
+
+def release_checks(mgr, final: bool = False) -> None:
+    """Read the device-side checks of released device rows whose verdict has landed (the event
+    queried, never waited for; off CUDA at once) and report the bad ones: counted
+    (``stats().bad_release_rows``) and logged at ERROR (``lifecycle.bad_release_row``, rate-limited)
+    naming the request, its row, the ranges and what was wrong. Not refused: the release was
+    executed before the device could answer. Checks not landed yet stay for a later call; with
+    ``final`` (shutdown) they are dropped unread and their number logged."""
+    checks = mgr._release_checks
+    for _ in range(len(checks)):
+        c = checks.popleft()
+        if c.event is not None and not c.event.query():
+            checks.append(c)  # not landed yet: read by a later call (order kept)
+            continue
+        found = ids_verdict(c.verdict)
+        if found is not None:
+            mgr._bad_release_rows += 1
+            log = mgr._log.bind(rid=c.rid, row=c.row, gen=c.gen)
+            mgr._emit(log.error, audit.BAD_RELEASE_ROW, ranges=[tuple(r) for r in c.ranges],
+                      problem=_bad_row(found, mgr._slot_end), slots_end=mgr._slot_end, **found,
+                      why="checked on the device after the release was issued: reported, not refused")
+    if final and checks:
+        mgr._emit(mgr._log.warning, audit.RELEASE_CHECKS_UNREAD, unread=len(checks),
+                  why="shutdown: their verdict had not landed")
+        checks.clear()
+
+
+def _bad_row(found: dict, end) -> str:
+    """What a device-side release check found, in words."""
+    parts = []
+    if found["negative"]:
+        parts.append(f"{found['negative']} negative slot ids (smallest {found['min']}; -1: KV never allocated there)")
+    if found["out_of_range"]:
+        parts.append(f"{found['out_of_range']} slot ids at or past the pool's {end} slots (largest {found['max']})")
+    if found["repeated"]:
+        parts.append(f"{found['repeated']} slot ids listed more than once (e.g. {found['repeated_id']}; "
+                     f"a cleared or overwritten row)")
+    return "; ".join(parts)
 
 
 def agree(mgr, n_writes: int, n_stored: int) -> tuple[int, int]:

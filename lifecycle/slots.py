@@ -8,8 +8,8 @@ valid page hash, or a release free memory still in use. Every plan reads its slo
 
 * not negative (-1: never written),
 * distinct,
-* (host-memory rows; a device row's ids are never read on the host: they are checked where the
-  copy runs, and not counted here)
+* (host-memory rows; a device row's ids are never read on the host: a chunk's are checked where
+  the copy runs, a release's on the device by ``release.plan_release``, and not counted here)
 * not read by a copy in flight (another request's, or this request's at another position) nor by
   an expired copy whose slots are quarantined — ``SlotsInFlight`` counts them per slot id,
 * in range and allocated, when the allocator can tell (``check_free``, the same probe the default

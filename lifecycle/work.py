@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from logging import DEBUG
 
-from lifecycle import audit
+from lifecycle import audit, settle
 
 
 def enqueue_chunk(fire) -> None:
@@ -67,9 +67,12 @@ def count_host_short(fire) -> None:
 
 def free_memory(fire) -> None:
     """Before ``release``: execute the validated ``ReleasePlan`` through the release sink (all
-    slots, minus quarantined ones, and the row, in one call), then account for it."""
+    slots, minus quarantined ones, and the row, in one call), then account for it (a device row's
+    device-side check is queued for a later progress check: ``settle.release_checks``)."""
     mgr, rec, plan = fire.kwargs["mgr"], fire.model, fire.kwargs["plan"]
     freed = mgr.release_sink.free(plan)
+    if plan.device_check is not None:  # a device row: its verdict is read by a later progress check
+        settle.queue_release_check(mgr, plan.device_check)
     for ack in rec.expired or ():
         q = mgr._expired.get(ack)
         if q is not None and freed is not False and not q.disowned:  # False: the sink freed nothing (another owner frees)

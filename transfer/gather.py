@@ -69,6 +69,56 @@ def landed_error(flag: torch.Tensor | None, end: int):
                       f"the copy moved nothing worth keeping")
 
 
+#: what ``check_ids_on_device`` writes, in order: counts of negative, out-of-range (at or past
+#: ``end``; 0 when no ``end`` is given) and repeated non-negative ids, then the smallest id, the
+#: largest id, and the largest repeated non-negative id (-1: none)
+ID_VERDICT = ("negative", "out_of_range", "repeated", "min", "max", "repeated_id")
+
+
+def check_ids_on_device(ids: torch.Tensor, end: int | None = None):
+    """Check slot ids where they live (a release plan's ids from ``req_to_token`` on the device)
+    without reading them on the host: not negative, below ``end`` (when given), distinct.
+
+    Sorted on the device and compared with their neighbours: every shape is static (no
+    ``torch.unique``, no boolean indexing, no ``.item()``), so nothing waits for the device. The
+    verdict (``ID_VERDICT``, int64) is copied into host memory with ``non_blocking=True`` (pinned on
+    CUDA) and, on CUDA, an event is recorded after that copy: read the verdict (``ids_verdict``) only
+    once ``event.query()`` is True. Off CUDA the event is None and the verdict is there at once.
+
+    Issued on the current stream (the one that wrote the ids): allocations and reads stay on it.
+
+    Args:
+        ids: 1-D int64 slot ids, at least one, on the device.
+        end: the pool's slot count (ids must be ``< end``); None: not checked.
+    Returns:
+        ``(verdict, event)``.
+    """
+    s = torch.sort(ids).values
+    zero = s.new_zeros(())
+    neg = (s < 0).sum()
+    over = (s >= end).sum() if end is not None else zero
+    same = (s[1:] == s[:-1]) & (s[1:] >= 0)
+    rep = same.sum()
+    rep_id = torch.cat((torch.where(same, s[1:], -1), s.new_full((1,), -1))).max()
+    out = torch.stack((neg, over, rep, s[0], s[-1], rep_id))
+    verdict = torch.empty(len(ID_VERDICT), dtype=torch.int64, pin_memory=ids.is_cuda)
+    verdict.copy_(out, non_blocking=True)
+    event = None
+    if ids.is_cuda:
+        event = torch.cuda.Event()
+        event.record()
+    return verdict, event
+
+
+def ids_verdict(verdict: torch.Tensor) -> dict | None:
+    """What ``check_ids_on_device`` found (read once its event fired: host memory only): None when
+    every id was good, else ``ID_VERDICT`` as a dict."""
+    values = verdict.tolist()
+    if not (values[0] or values[1] or values[2]):
+        return None
+    return dict(zip(ID_VERDICT, values))
+
+
 def host_order_rows(kv: KVPool, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Flat device row ids of ``slots`` (whole pages) in host page-first order.
 

@@ -15,11 +15,13 @@ import os
 import threading
 
 import pytest
+import structlog
 import torch
 
 from lifecycle.integrations.sglang.install import _release_hook
 from lifecycle_tools.testkit.sglang_doubles import release_kv_cache
 from lifecycle_tools.testkit.sync_trap import HostSync, allowing, as_device_resident, no_host_sync
+from transfer.gather import check_ids_on_device
 from tests.integrations.sglang_kit import Node, doubles_kit, hicache_file_get, hicache_file_suffix
 from tests.integrations.test_sglang import MODEL, build, expected_pages, store_dir  # noqa: F401
 
@@ -85,8 +87,11 @@ def test_decode_offload_and_release_never_read_device_slots_on_the_scheduler_thr
     full, rows = node.alloc.available_size(), node.pool.available_size()
     mgr = build(node)
     reqs = armed_decode(node, mgr, [("a", list(range(10, 23)), 11), ("b", list(range(50, 58)), 9)])
+    with no_host_sync():
+        mgr.check_offload_progress()  # reads the device-side checks of the releases in the last one
     stats = mgr.stats()
-    assert (stats.released, stats.leaked, stats.copy_failures) == (2, 0, 0)
+    assert (stats.released, stats.leaked, stats.copy_failures, stats.bad_release_rows) == (2, 0, 0, 0)
+    assert not mgr.manager._release_checks
     assert node.alloc.available_size() == full and node.pool.available_size() == rows
     suffix = hicache_file_suffix(MODEL, 0, 1, mla)
     want = [page for r in reqs for page in expected_pages(node, r, mgr.offload_stride)]
@@ -197,10 +202,15 @@ def test_on_cuda_under_sync_debug_mode_error(store_dir, mla):  # noqa: F811
         torch.cuda.set_sync_debug_mode("error")
         while not mgr.idle():
             mgr.check_offload_progress()
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()  # (unarmed) every device-side release check has landed
+        torch.cuda.set_sync_debug_mode("error")
+        mgr.check_offload_progress()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     stats = mgr.stats()
-    assert (stats.released, stats.copy_failures) == (2, 0)
+    assert (stats.released, stats.copy_failures, stats.bad_release_rows) == (2, 0, 0)
+    assert not mgr.manager._release_checks
     assert node.alloc.available_size() == full
     suffix = hicache_file_suffix(MODEL, 0, 1, mla)
     for r in reqs:
@@ -208,3 +218,175 @@ def test_on_cuda_under_sync_debug_mode_error(store_dir, mla):  # noqa: F811
             assert hicache_file_get(store_dir, h, suffix, mgr.decode_host_mem_pool.page_nbytes) == data
     mgr.release_host_resources()
 
+
+
+# --- a release of a device row: its slot ids checked on the device, the verdict read later ---------
+
+def _finished_request(node: Node, corrupt: str | None):
+    """A request finished after its prompt (6 tokens, pages of 4: ranges [(0, 6)]), its row
+    corrupted at position 5 as ``corrupt`` says. SGLang's own free path (``free_kv_row``, which
+    reads the row itself) is given the row as it was: SGLang's allocator would take the bad ids
+    silently (its double-free check is a debug option), the double here would assert."""
+    req = node.admit("bad", list(range(6)), 1)
+    req.prefix_indices = as_device_resident(req.prefix_indices)
+    req.finished_reason = "length"
+    row = req.kv.req_pool_idx
+    table = node.pool.req_to_token
+    good = table[row].clone()
+    bad = {None: None, "negative": -1, "repeated": int(table[row, 4]), "out_of_range": 10 ** 6}[corrupt]
+    if bad is not None:
+        table[row, 5] = bad
+    free_kv_row = node.tree.free_kv_row
+
+    def as_it_was(kv, ranges):
+        table[row] = good
+        free_kv_row(kv, ranges)
+
+    node.tree.free_kv_row = allowing(as_it_was)
+    return req, row
+
+
+def _bad_rows(logs) -> list:
+    return [e for e in logs if e["event"] == "lifecycle.bad_release_row"]
+
+
+@pytest.mark.parametrize("corrupt", ["negative", "repeated", "out_of_range"])
+def test_a_bad_device_release_row_is_reported_at_the_next_progress_check(store_dir, corrupt):  # noqa: F811
+    """-1, a repeated id or an id past the pool in the ranges a release frees: the release is not
+    refused (the ids are never read on the scheduler thread, and SGLang frees by ranges), but the
+    device-side check's verdict is read at the next progress check: counted, one ERROR naming it."""
+    node = device_resident_node()
+    full = node.alloc.available_size()
+    mgr = build(node)
+    assert mgr.manager._slot_end == node.kv.k_buffer[0].shape[0]  # the pool's slots, known without a read
+    req, row = _finished_request(node, corrupt)
+    with structlog.testing.capture_logs() as logs:
+        with no_host_sync():
+            assert not mgr.offload_kv_cache(req)
+            mgr.finalize_release_on_finish(req)
+        assert req.kv.req_pool_idx is None and mgr.stats().released == 1  # released, not refused
+        assert mgr.stats().bad_release_rows == 0 and _bad_rows(logs) == []  # not read on the release call
+        assert len(mgr.manager._release_checks) == 1
+        with no_host_sync():
+            mgr.check_offload_progress()
+    assert mgr.stats().bad_release_rows == 1
+    (report,) = _bad_rows(logs)
+    assert report["log_level"] == "error" and report["rid"] == "bad" and report["row"] == row
+    assert report["ranges"] == [(0, 6)] and report[corrupt] == 1
+    assert {"negative": "negative", "repeated": "more than once", "out_of_range": "past the pool"}[corrupt] \
+        in report["problem"]
+    assert not mgr.manager._release_checks  # nothing left pending
+    with no_host_sync():
+        mgr.check_offload_progress()
+    assert mgr.stats().bad_release_rows == 1 and len(_bad_rows(logs)) == 1  # reported once
+    assert node.alloc.available_size() == full
+    mgr.release_host_resources()
+
+
+def test_a_good_device_release_row_reports_nothing(store_dir):  # noqa: F811
+    node = device_resident_node()
+    mgr = build(node)
+    req, _ = _finished_request(node, None)
+    with structlog.testing.capture_logs() as logs:
+        with no_host_sync():
+            mgr.finalize_release_on_finish(req)
+            mgr.check_offload_progress()
+    assert mgr.stats().released == 1 and mgr.stats().bad_release_rows == 0
+    assert _bad_rows(logs) == [] and not mgr.manager._release_checks
+    mgr.release_host_resources()
+
+
+class _NotYet:
+    """A CUDA event stand-in that has not fired until ``fire``."""
+
+    def __init__(self):
+        self.fired = False
+
+    def query(self) -> bool:
+        return self.fired
+
+    def fire(self):
+        self.fired = True
+
+
+def _unfired_events(monkeypatch) -> list:
+    """Every device-side release check issued from now on gets an event that fires when told."""
+    import lifecycle.release as release
+
+    events, check = [], release.check_ids_on_device
+
+    def issued(ids, end):
+        verdict, _ = check(ids, end)
+        events.append(_NotYet())
+        return verdict, events[-1]
+
+    monkeypatch.setattr(release, "check_ids_on_device", issued)
+    return events
+
+
+def test_a_verdict_is_read_only_once_its_event_has_fired(store_dir, monkeypatch):  # noqa: F811
+    events = _unfired_events(monkeypatch)
+    node = device_resident_node()
+    mgr = build(node)
+    req, _ = _finished_request(node, "repeated")
+    with no_host_sync():
+        mgr.finalize_release_on_finish(req)
+        mgr.check_offload_progress()
+        mgr.check_offload_progress()
+    assert mgr.stats().bad_release_rows == 0 and len(mgr.manager._release_checks) == 1  # kept, unread
+    events[0].fire()
+    with no_host_sync():
+        mgr.check_offload_progress()
+    assert mgr.stats().bad_release_rows == 1 and not mgr.manager._release_checks
+
+
+def test_shutdown_does_not_wait_for_a_verdict_that_never_lands(store_dir, monkeypatch):  # noqa: F811
+    _unfired_events(monkeypatch)
+    node = device_resident_node()
+    mgr = build(node)
+    req, _ = _finished_request(node, "negative")
+    with no_host_sync():
+        mgr.finalize_release_on_finish(req)
+    with structlog.testing.capture_logs() as logs:
+        mgr.release_host_resources()  # shutdown(force=True): bounded; the unread check dropped
+    assert not mgr.manager._release_checks and mgr.stats().bad_release_rows == 0
+    (unread,) = [e for e in logs if e["event"] == "lifecycle.release_checks_unread"]
+    assert unread["unread"] == 1 and unread["log_level"] == "warning"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU stand-in runs above)")
+@pytest.mark.parametrize("corrupt", ["negative", "repeated", "out_of_range"])
+def test_on_cuda_a_bad_release_row_is_reported_without_a_sync(store_dir, corrupt):  # noqa: F811
+    """The release and every progress check run under ``set_sync_debug_mode("error")``; the
+    stream is held busy (``torch.cuda._sleep``) so the verdict has not landed at the first progress
+    check: it is not read then, and is reported once the device got there."""
+    node = Node(doubles_kit(), device="cuda")
+    full = node.alloc.available_size()
+    mgr = build(node)
+    req, _ = _finished_request(node, corrupt)
+    freed, free_kv_row = [], node.tree.free_kv_row.__wrapped__
+    node.tree.free_kv_row = lambda kv, ranges: freed.append((kv, ranges))  # SGLang's free (it syncs): after
+    check_ids_on_device(torch.arange(8, device="cuda"), 8)  # its kernels loaded (lazy loading) before the clock
+    with structlog.testing.capture_logs() as logs:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # the current stream busy for a while (~0.5 s)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            mgr.finalize_release_on_finish(req)
+            mgr.check_offload_progress()
+            pending = len(mgr.manager._release_checks)
+            seen = mgr.manager._bad_release_rows
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert (pending, seen, len(freed)) == (1, 0, 1)  # released; the verdict not landed yet: not read
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            mgr.check_offload_progress()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert mgr.stats().bad_release_rows == 1 and len(_bad_rows(logs)) == 1
+    assert not mgr.manager._release_checks
+    free_kv_row(*freed[0])
+    assert node.alloc.available_size() == full
+    mgr.release_host_resources()

@@ -81,6 +81,7 @@ def test_served_counters_equal_the_stats_during_and_after_a_run(tmp_path):
         assert got[("kv_lifecycle_storage_pages_held", (("tier", "file"),) + lab)] == t.pages
         assert got[("kv_lifecycle_host_free_pages", lab)] == o.host_free_pages
         assert got[("kv_lifecycle_copies_in_flight", lab)] == 0
+        assert got[("kv_lifecycle_bad_release_rows_total", lab)] == m.bad_release_rows == 0
         assert got[("kv_lifecycle_copy_seconds_count", lab)] == o.writes_landed == m.chunks_landed
         assert got[("kv_lifecycle_storage_op_seconds_count", (("op", "set"), ("tier", "file")) + lab)] == \
             o.storage_ops
@@ -112,6 +113,21 @@ def test_prefix_and_breaker_metrics_from_the_stats(tmp_path):
         assert reg.get_sample_value("kv_lifecycle_storage_breaker_state", {"tier": "file", "state": "closed"}) == 1
         assert reg.get_sample_value("kv_lifecycle_storage_breaker_state", {"tier": "file", "state": "open"}) == 0
         assert reg.get_sample_value("kv_lifecycle_storage_op_seconds_count", {"tier": "file", "op": "exists"}) == 1
+    finally:
+        sched.mgr.shutdown()
+        stack.close()
+
+
+def test_bad_release_rows_are_a_counter_set_from_the_stats():
+    reg = CollectorRegistry()
+    metrics = Metrics(reg)
+    stack = _stack()
+    sched = Scheduler(stack)
+    try:
+        stats = from_stack(sched.mgr, stack)
+        stats.manager.bad_release_rows = 2
+        metrics.update(stats)
+        assert reg.get_sample_value("kv_lifecycle_bad_release_rows_total") == 2
     finally:
         sched.mgr.shutdown()
         stack.close()

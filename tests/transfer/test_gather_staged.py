@@ -1,15 +1,17 @@
 """The staged copy path (what runs on CUDA: a device row index, one gather into the copy stream's
 reused ``Staging`` buffer, one copy per run of host pages; slot ids checked on the device, verdict
 read after the copy) run on CPU tensors: bit-exact, no allocation per chunk, bad ids clamped and
-reported instead of raising (issue 25, points 1 and 3)."""
+reported instead of raising (issue 25, points 1 and 3); and the device-side check of a release
+plan's slot ids (``check_ids_on_device``), run on the CPU stand-in for device memory."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
 from transfer import BadIndices, HostPool, KVPool, synthetic_kv
-from transfer.gather import ChunkCopy, Staging
+from transfer.gather import ID_VERDICT, ChunkCopy, Staging, check_ids_on_device, ids_verdict
 
 PS = 4
 
@@ -62,3 +64,37 @@ def test_good_ids_report_no_error():
     plan = ChunkCopy(kv, host, torch.arange(8, 16), torch.tensor([0, 1]), check_end=kv.slots, staging=Staging("cpu"))
     plan.to_host()
     assert plan.landed_error() is None
+
+
+# --- check_ids_on_device: a device row's slot ids checked where they live (release plans) ---------
+
+
+@pytest.mark.parametrize("ids, end, want", [
+    ([7, 4, 5, 6], 66, None),                                  # good, unsorted
+    ([3], 66, None),                                           # one id
+    ([4, -1, 5, -1], 66, dict(negative=2, out_of_range=0, repeated=0, min=-1, max=5, repeated_id=-1)),
+    ([9, 4, 9, 5, 9], 66, dict(negative=0, out_of_range=0, repeated=2, min=4, max=9, repeated_id=9)),
+    ([4, 66, 5, 1000], 66, dict(negative=0, out_of_range=2, repeated=0, min=4, max=1000, repeated_id=-1)),
+    ([4, 1000], None, None),                                   # no pool size known: range not checked
+    ([-3, 70, 8, 8], 66, dict(negative=1, out_of_range=1, repeated=1, min=-3, max=70, repeated_id=8)),
+], ids=["good", "one", "negative", "repeated", "out-of-range", "no-end", "all-three"])
+def test_device_ids_are_checked_without_a_host_read(ids, end, want):
+    t = as_device_resident(torch.tensor(ids, dtype=torch.int64))
+    with no_host_sync():  # any host read of the ids raises HostSync
+        verdict, event = check_ids_on_device(t, end)
+    assert event is None  # off CUDA the verdict is there at once
+    assert type(verdict) is torch.Tensor and verdict.shape == (len(ID_VERDICT),)  # host memory
+    assert ids_verdict(verdict) == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU stand-in runs above)")
+def test_on_cuda_the_verdict_is_pinned_and_read_after_its_event():
+    ids = torch.tensor([8, -1, 8, 500], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        verdict, event = check_ids_on_device(ids, 66)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert verdict.is_pinned() and verdict.device.type == "cpu" and event is not None
+    event.synchronize()
+    assert ids_verdict(verdict) == dict(negative=1, out_of_range=1, repeated=1, min=-1, max=500, repeated_id=8)
