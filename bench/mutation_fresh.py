@@ -104,11 +104,21 @@ def main() -> None:
     outcomes.update({n: "not checked" for n in tested if n not in chosen})
     print(f"{args.group} on {commit}: {len(tested) + len(untested)} mutants, {len(untested)} without tests, "
           f"running {len(chosen)} in fresh interpreters ({args.jobs} at a time)", flush=True)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {n: pool.submit(run_one, snapshot, env, n, t, args.timeout) for n, t in chosen.items()}
+    partial = commit_dir / f"{args.group}.fresh.jsonl"  # one line per finished mutant: a stopped run goes on
+    finished = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            got = json.loads(line)
+            finished[got["mutant"]] = got["outcome"]
+    todo = {n: t for n, t in chosen.items() if n not in finished}
+    outcomes.update({n: s for n, s in finished.items() if n in chosen})
+    with ThreadPoolExecutor(args.jobs) as pool, open(partial, "a") as log:
+        futures = {n: pool.submit(run_one, snapshot, env, n, t, args.timeout) for n, t in todo.items()}
         for i, (name, fut) in enumerate(futures.items(), 1):
             outcomes[name] = fut.result()
-            print(f"  {i}/{len(chosen)} {outcomes[name]:9} {name}", flush=True)
+            log.write(json.dumps({"mutant": name, "outcome": outcomes[name]}) + "\n")
+            log.flush()
+            print(f"  {i}/{len(todo)} {outcomes[name]:9} {name}", flush=True)
     results_file = commit_dir / "results.json"
     done = json.loads(results_file.read_text()) if results_file.exists() else []
     done = [r for r in done if r["group"] != args.group]
