@@ -6,6 +6,7 @@ out (structlog at WARNING) so the machine and the algorithm are measured, not th
 
     .venv/bin/python bench/bench_manager.py [--repeats 7] [--requests 128] [--steps 192] [--clock cpu]
     .venv/bin/python bench/bench_manager.py --against /tmp/base988 --repeats 9 --clock cpu
+    .venv/bin/python bench/bench_manager.py --slot-check --repeats 7 --clock cpu
 
 ``--against DIR`` compares this tree's ``lifecycle`` with an older one (``DIR/lifecycle``, e.g.
 ``git archive 988768c lifecycle | tar -x -C DIR``): each repeat runs the workload once in a fresh
@@ -288,6 +289,35 @@ def full_gc_frozen_ms(n=10_000):
         gc.unfreeze()
 
 
+def slot_check_cost(repeats: int) -> None:
+    """What the chunk plan's slot check (``lifecycle.slots``: ``check_slots`` and the per-copy
+    ``SlotsInFlight`` counts) costs per chunk: ``per_chunk_us`` with the check in place and with it
+    switched off (an ablation: the three functions replaced by no-ops), interleaved, medians; with
+    the bench's allocator double (no ``check_free``) and with ``PagedTokenAllocator``."""
+    import lifecycle.requests as requests
+    import lifecycle.slots as slots
+
+    real = (requests.check_slots, slots.SlotsInFlight.add, slots.SlotsInFlight.remove)
+    off = (lambda *a, **k: None, lambda self, ack, indices: None, lambda self, ack: None)
+    got = {(mode, alloc): [] for mode in ("with", "without") for alloc in (False, True)}
+    try:
+        for i in range(repeats):
+            for mode in (("with", "without") if i % 2 == 0 else ("without", "with")):
+                requests.check_slots, slots.SlotsInFlight.add, slots.SlotsInFlight.remove = \
+                    real if mode == "with" else off
+                for alloc in (False, True):
+                    got[mode, alloc].append(per_chunk_us(n=5_000, real_allocator=alloc))
+    finally:
+        requests.check_slots, slots.SlotsInFlight.add, slots.SlotsInFlight.remove = real
+    print(f"{'one chunk, us (median of ' + str(repeats) + ')':34} {'bench allocator':>15} {'PagedTokenAllocator':>20}")
+    for mode in ("with", "without"):
+        print(f"{mode + ' the slot check':34} {statistics.median(got[mode, False]):15.2f} "
+              f"{statistics.median(got[mode, True]):20.2f}")
+    print(f"{'the check costs':34} "
+          f"{statistics.median(got['with', False]) - statistics.median(got['without', False]):15.2f} "
+          f"{statistics.median(got['with', True]) - statistics.median(got['without', True]):20.2f}")
+
+
 def against(args) -> None:
     """Interleaved fresh-process runs of this tree's lifecycle and ``args.against``'s (see module doc)."""
     import subprocess
@@ -344,6 +374,7 @@ def worker(args) -> None:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--gc-only", action="store_true", help="only the per-request bookkeeping and collector figures")
+    ap.add_argument("--slot-check", action="store_true", help="only the chunk slot check's cost per chunk (ablation)")
     ap.add_argument("--against", metavar="DIR", help="also measure DIR/lifecycle (an older version)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--repeats", type=int, default=7)
@@ -359,6 +390,9 @@ def main():
         return worker(args)
     if args.against:
         return against(args)
+    if args.slot_check:
+        slot_check_cost(args.repeats)
+        return
     if args.gc_only:
         per_req, tracked, gc_ms = bytes_per_request()
         frozen_ms, frozen_objects = full_gc_frozen_ms()
