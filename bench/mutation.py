@@ -54,6 +54,8 @@ EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
 # a timeout (mutmut's default is 15): a hung copy thread then costs seconds, not a minute, while a
 # run slowed by two or three other processes on the cores is still far inside the bound
 TIMEOUT_MULTIPLIER = 6.0
+# the slowest test of any group takes about 6 s on this machine (stats runs, under load)
+PER_TEST_TIMEOUT_S = 30
 KILLED = {"killed", "caught by type check"}
 # the test run died of a signal (SIGSEGV, or SIGKILL after the CPU limit): the mutant did not pass
 CRASHED = {"segfault"}
@@ -90,6 +92,10 @@ def configure(snapshot: Path, group: str) -> tuple[list[str], list[str]]:
     text = pyproject.read_text()
     if "[tool.mutmut]" in text:
         raise SystemExit("pyproject.toml already has [tool.mutmut]: bench/mutation.py owns that section")
+    # a test running past PER_TEST_TIMEOUT_S fails (pytest-timeout): a mutant that hangs a test is
+    # detected in seconds instead of the whole selection's timeout; set in pytest's own section,
+    # outside what mutmut fingerprints, so a resumed snapshot keeps its outcomes
+    text = text.replace("[tool.pytest.ini_options]\n", f"[tool.pytest.ini_options]\ntimeout = {PER_TEST_TIMEOUT_S}\n", 1)
     pyproject.write_text(text + f"""
 [tool.mutmut]
 source_paths = {toml_list([p + "/" for p in LIBRARY])}
