@@ -60,40 +60,50 @@ class Metrics:
         def histogram(name, doc, buckets, extra=()):
             return Histogram(f"{namespace}_{name}", doc, names + tuple(extra), registry=registry, buckets=buckets)
 
-        self.requests = counter("requests", "Requests whose lifecycle ended, by outcome (released, leaked)",
-                                ("outcome",))
-        self.transitions = counter("transitions", "State changes, by trigger", ("event",))
-        self.refusals = counter("refusals", "Refused calls, by reason ('TRIGGER in STATE'; host_short: an "
-                                "offload deferred for want of host pages)", ("reason",))
+        self.requests = counter("requests", "Requests whose lifecycle ended, by outcome (released: released "
+                                "exactly once; leaked: dropped by the scheduler unreleased)", ("outcome",))
+        self.transitions = counter("transitions", "State changes, by the trigger that made them", ("event",))
+        self.refusals = counter("refusals", "Calls refused with InvalidTransition, by reason ('TRIGGER in "
+                                "STATE'); host_short: an offload deferred for want of host pages (the call "
+                                "returned False)", ("reason",))
         self.chunks_offloaded = counter("chunks_offloaded", "Chunks handed to the offloader (device -> host copies)")
         self.pages_offloaded = counter("pages_offloaded", "Pages in the chunks handed to the offloader")
         self.bytes_offloaded = counter("bytes_offloaded", "Bytes of the pages handed to the offloader")
-        self.copies_failed = counter("copies_failed", "Device -> host copies that failed or expired", ("reason",))
+        self.copies_failed = counter("copies_failed", "Device -> host copies that failed (raised) or expired "
+                                     "(passed write_timeout_s)", ("reason",))
         self.bad_release_rows = counter("bad_release_rows", "Released device rows whose slot ids the device-side "
-                                        "check found bad (negative, past the pool, repeated): reported, not refused")
+                                        "check found bad (negative, past the pool, repeated): reported at the next "
+                                        "progress check, not refused")
         self.pages_stored = counter("storage_pages", "Pages a storage tier was asked to store, by result (new: "
-                                    "written; already_there: skipped)", ("tier", "result"))
-        self.op_failures = counter("storage_op_failures", "Storage operations that failed, by tier and op "
-                                   "(set, exists, get)", ("tier", "op"))
+                                    "written; already_there: found there already, skipped)", ("tier", "result"))
+        self.op_failures = counter("storage_op_failures", "Storage operations that failed, by tier and op (set: "
+                                   "a write whose pages did not all store; exists: a lookup that failed, timed "
+                                   "out or met an open breaker; get: a prefix load that got fewer pages than "
+                                   "found)", ("tier", "op"))
         self.pages_refused = counter("storage_pages_refused", "Stored pages refused on read, by reason "
                                      "(corrupt, foreign, wrong_size)", ("tier", "reason"))
         self.pages_unverified = counter("storage_pages_unverified", "Stored pages read without a seal "
                                         "(served unless strict)", ("tier",))
         self.prefix_lookups = counter("prefix_lookups", "Prefix existence checks")
-        self.prefix_pages = counter("prefix_pages", "Prefix pages, by stage (looked_up, hit, loaded)", ("stage",))
-        self.by_state = gauge("requests_live", "Live requests, by state", ("state",))
+        self.prefix_pages = counter("prefix_pages", "Prefix pages, by stage (looked_up: asked for; hit: found "
+                                    "stored; loaded: loaded into device slots)", ("stage",))
+        self.by_state = gauge("requests_live", "Request records in each state now (RELEASED ones stay until the "
+                              "request object is dropped)", ("state",))
         self.copies_in_flight = gauge("copies_in_flight", "Device -> host copies issued and not settled")
         self.storage_in_flight = gauge("storage_ops_in_flight", "Storage writes in flight")
         self.host_free_pages = gauge("host_free_pages", "Free pages in the host pool")
         self.quarantined = gauge("quarantined_slots", "Device slots withheld for expired copies")
-        self.breaker = gauge("storage_breaker_state", "Circuit breaker state per tier (1 for the current "
-                             "state: closed, open, half_open)", ("tier", "state"))
-        self.tier_pages = gauge("storage_pages_held", "Pages this process indexes in a tier", ("tier",))
-        self.copy_latency = histogram("copy_seconds", "Device -> host copy latency, write to landing",
+        self.breaker = gauge("storage_breaker_state", "Circuit breaker state per tier: 1 for the current state "
+                             "(closed, open, half_open), 0 for the others", ("tier", "state"))
+        self.tier_pages = gauge("storage_pages_held", "Pages this process indexes in a tier (0 for Mooncake: the "
+                                "master knows)", ("tier",))
+        self.copy_latency = histogram("copy_seconds", "Device -> host copy latency, from write to finished_writes",
                                       _COPY_BUCKETS)
-        self.storage_latency = histogram("storage_op_seconds", "Storage operation latency, by tier and op",
-                                         _COPY_BUCKETS, ("tier", "op"))
-        self.step_time = histogram("manager_step_seconds", "Manager time in one scheduler step", _STEP_BUCKETS)
+        self.storage_latency = histogram("storage_op_seconds", "Storage operation latency, by tier and op (set: "
+                                         "one storage write, on the worker thread; exists: an existence check; "
+                                         "get: a prefix read)", _COPY_BUCKETS, ("tier", "op"))
+        self.step_time = histogram("manager_step_seconds", "Manager time in one scheduler step (its calls summed)",
+                                   _STEP_BUCKETS)
         self._seen: dict = {}  # (source, metric id, labels) -> last counter value
         self._source, self._cur = None, const
         self._lock = threading.Lock()
