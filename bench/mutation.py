@@ -83,11 +83,14 @@ def snapshot_of(commit: str, dest: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
 
 
-def configure(snapshot: Path, group: str) -> tuple[list[str], list[str]]:
-    """Write the group's [tool.mutmut] into the snapshot's pyproject; return (modules, tests)."""
+def configure(snapshot: Path, group: str, write: bool = True) -> tuple[list[str], list[str]]:
+    """Write the group's [tool.mutmut] into the snapshot's pyproject (unless ``write`` is False: a
+    snapshot configured before); return (modules, tests)."""
     spec = GROUPS[group]
     modules = expand(snapshot, spec["mutate"], NEVER_MUTATE + spec.get("exclude", []))
     tests = expand(snapshot, spec["tests"], SLOW_OR_MULTIPROCESS_TESTS)
+    if not write:
+        return modules, tests
     pyproject = snapshot / "pyproject.toml"
     text = pyproject.read_text()
     if "[tool.mutmut]" in text:
@@ -145,7 +148,8 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
               resume: bool = False) -> dict:
     snapshot = commit_dir / group
     survived_before = []
-    if resume and (snapshot / "mutants").is_dir():
+    continuing = resume and (snapshot / "mutants").is_dir()
+    if continuing:
         pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet
     elif previous is not None and (previous / group).is_dir():
         old = json.loads((previous / "results.json").read_text()) if (previous / "results.json").exists() else []
@@ -153,7 +157,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
         overlay(commit, snapshot, previous / group)
     else:
         snapshot_of(commit, snapshot)
-    modules, tests = configure(snapshot, group)
+    modules, tests = configure(snapshot, group, write=not continuing)
     mutmut = Path(sys.executable).with_name("mutmut")
     # mutmut puts mutants/ first on sys.path itself (a PYTHONPATH entry breaks its test run).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
