@@ -162,6 +162,11 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     # mutmut puts mutants/ first on sys.path itself (a PYTHONPATH entry breaks its test run).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["CI"] = "true"  # a test that needs a server fails instead of skipping
+    # one torch/OpenMP thread: mutmut forks each mutant's run from a process whose thread pool is
+    # started, and a child entering a parallel region then waits forever on a lock its parent's
+    # pool thread held at the fork (seen: single-threaded children stuck in a futex, reported as
+    # timeouts, i.e. as killed, whatever the mutant did)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     log = commit_dir / f"{group}.log"
     if not resume:
         log.unlink(missing_ok=True)

@@ -93,6 +93,7 @@ def main() -> None:
     snapshot = commit_dir / args.group
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["CI"] = "true"
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     start = time.monotonic()
     if not (snapshot / "mutants" / "mutmut-stats.json").exists():
         snapshot_of(commit, snapshot)
