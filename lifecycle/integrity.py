@@ -132,7 +132,7 @@ def check_integrity(mgr) -> None:
         counts[rec.state.name] += 1
         problems += _record_problems(rec, per_rec.pop(id(rec), 0))
     if per_rec:
-        problems.append(f"{len(per_rec)} in-flight chunks belong to no live record")
+        problems.append(f"{sum(per_rec.values())} in-flight chunks belong to no live record")
     if counts != mgr._by_name:
         problems.append(f"state counters {mgr._by_name} disagree with records {counts}")
     reads = (sum(c.indices.numel() for c in mgr._ongoing.values() if on_host(c.indices))  # device ids: not counted
