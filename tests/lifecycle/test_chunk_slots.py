@@ -138,6 +138,36 @@ def test_a_chunk_listing_a_slot_an_expired_copy_may_still_read_is_refused():
     assert rig.mgr._reading.total() == 0
 
 
+def test_the_refusal_names_the_copy_that_reads_the_slot_among_copies_whose_spans_overlap():
+    """Two copies in flight read interleaved slots (neither a run): the first's span covers slots
+    only the second reads. A chunk listing one of those names the second copy, whether the slot is
+    inside the second's span or its highest."""
+    rig = Rig(PS)
+    s = sorted(rig.alloc.alloc(8).tolist())             # held by nobody's row but these chunks
+    a, _ = first_sight(rig, "a")
+    b, _ = first_sight(rig, "b")
+    table = rig.pool.req_to_token
+    table[a.kv.req_pool_idx, 8:12] = torch.tensor(s[0::2], dtype=table.dtype)   # ack 1: s0 s2 s4 s6
+    table[b.kv.req_pool_idx, 8:12] = torch.tensor(s[1::2], dtype=table.dtype)   # ack 2: s1 s3 s5 s7
+    assert rig.mgr.offload_kv_cache(a) is True and rig.mgr.offload_kv_cache(b) is True
+    c, _ = first_sight(rig, "c")
+    own = table[c.kv.req_pool_idx, 8:12].clone()
+    for slot in (s[3], s[7]):                           # inside ack 1's span / ack 2's highest slot
+        table[c.kv.req_pool_idx, 8:12] = own
+        table[c.kv.req_pool_idx, 9] = slot
+        before = frozen(rig)
+        with pytest.raises(InvalidSlots, match=rf"request 'c': row \d+ lists slot {slot} at a position to offload "
+                                               rf"\(ranges \[\(8, 12\)\]\), which a copy in flight of request "
+                                               rf"'b' \(ack 2, tokens \[8, 12\)\) still reads$"):
+            rig.mgr.offload_kv_cache(c)
+        assert frozen(rig) == before and rig.mgr.state_of(c) is None
+    table[c.kv.req_pool_idx, 8:12] = torch.tensor([s[6], *own[1:].tolist()], dtype=table.dtype)
+    with pytest.raises(InvalidSlots, match=rf"lists slot {s[6]} .* request 'a' \(ack 1, tokens \[8, 12\)\)"):
+        rig.mgr.offload_kv_cache(c)
+    table[c.kv.req_pool_idx, 8:12] = own
+    assert rig.mgr.offload_kv_cache(c) is True and rig.mgr.copies_of(c) == [3]
+
+
 def test_once_the_copy_landed_its_slots_are_not_held_any_more():
     rig = Rig(PS)
     req, _ = rig.admit("d", 8, 24)

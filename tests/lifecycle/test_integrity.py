@@ -106,3 +106,26 @@ def test_slot_reads_that_disagree_with_the_copies_in_flight_are_reported():
     rig.mgr.check_integrity()                            # the expired copy's 4 slots still count
     rig.mgr._expired[1].disowned = True                  # disowned without uncounting its reads
     assert problems(rig) == ["8 slot reads counted, but copies in flight read 4 slots"]
+
+
+def test_pending_names_each_kind_of_pending_work_in_one_line():
+    rig = Rig(PS)
+    assert rig.mgr.pending().describe() == "0 copies in flight, 0 storage ops in flight"
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 8)                                     # acks 1, 2
+    b, _ = rig.admit("b", 8, 16)
+    rig.decode(b, 4)                                     # ack 3
+    rig.off.expire([3])
+    rig.progress()                                       # b's copy expired: 4 slots quarantined
+    a.finish()
+    rig.mgr.finalize_release_on_finish(a)                # a waits for acks 1 and 2
+    rig.off.land([1, 2])                                 # reported, not settled
+    pending = rig.mgr.pending()
+    assert (pending.copies, pending.unsettled, pending.storage_ops, pending.quarantined_slots,
+            pending.finished_waiting, pending.finished_waiting_on_settled) == (0, 2, 0, 4, 1, 1)
+    assert pending.describe().split(", ") == [
+        "0 copies in flight", "0 storage ops in flight",
+        "2 completions reported but never settled (call check_offload_progress)",
+        "1 finished requests holding slots (1 only waiting for check_offload_progress)",
+        "4 slots quarantined by expired copies",
+    ]

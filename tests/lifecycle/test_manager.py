@@ -322,6 +322,90 @@ def test_readmit_of_unknown_request_is_refused():
         node.mgr.readmit(Req("x", range(4), row=0))
 
 
+def test_readmit_of_something_never_seen_names_no_request_and_says_why():
+    node = Node()
+    for thing in (Req("x", range(4), row=0), object()):   # a request, or anything without a rid
+        with pytest.raises(InvalidTransition) as exc:
+            node.mgr.readmit(thing)
+        rid = getattr(thing, "rid", None)
+        assert (exc.value.rid, exc.value.trigger, exc.value.state, exc.value.reason) == (
+            rid, "readmit", "UNSEEN", "the request was never seen")
+    assert node.mgr.refusals() == {"readmit in UNSEEN": 2} and node.mgr.stats().tracked == 0
+
+
+class CountingReq(Req):
+    """Counts how often the manager reads the effective committed length."""
+
+    reads = 0
+
+    def effective_kv_committed_len(self):
+        self.reads += 1
+        return self.kv.kv_committed_len
+
+
+def test_a_finished_request_released_at_first_sight_is_read_once():
+    node = Node(page_size=4)
+    req = CountingReq("r", range(8), row=0, outputs=(1, 2, 3), finished=True)
+    node.mgr._release_finished_req(req)
+    assert req.reads == 1                                # one read of the request per call
+    assert view(node, req) == dict(state=R, inc_len=0, inflight=0, storage=0, freed_pages=[0, 1, 2],
+                                   freed_rows=[0], released=1, leaked=0)
+
+
+def test_copies_of_lists_a_requests_copies_in_flight_in_issue_order():
+    node = Node(page_size=4)
+    a, b = Req("a", range(4), row=0), Req("b", range(4), row=1)
+    assert node.mgr.copies_of(a) == []                  # never seen
+    node.mgr.offload_kv_cache(a)
+    assert node.mgr.state_of(a) is P and node.mgr.copies_of(a) == []
+    decode(node, a, 4)                                  # ack 1
+    decode(node, b, 4)                                  # ack 2
+    decode(node, a, 8)                                  # acks 3, 4
+    assert node.mgr.copies_of(a) == [1, 3, 4] and node.mgr.copies_of(b) == [2]
+    node.off.land([3])
+    node.mgr.check_offload_progress()
+    assert node.mgr.copies_of(a) == [1, 4] and node.mgr.copies_of(b) == [2]
+    node.off.expire([1])                                # an expired copy is not in flight any more
+    node.mgr.check_offload_progress()
+    assert node.mgr.copies_of(a) == [4] and node.mgr.stats().quarantined_slots == 4
+    node.off.land([4, 2])
+    node.mgr.check_offload_progress()
+    assert node.mgr.copies_of(a) == [] and node.mgr.copies_of(b) == []
+    assert node.mgr.copies_of(Req("a", range(4), row=0)) == []   # same rid, another request
+
+
+def test_disowned_expired_copies_leave_their_slots_to_their_owner():
+    """SGLang frees a request under its copies once its TP=1 release wait runs out: the expired
+    copies' slots are then SGLang's. Disowning them stops the manager guarding and freeing them;
+    their host pages still come back when the copies end."""
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    other = Req("o", range(4), row=1)
+    decode(node, req, 8)                                # acks 1 ([4, 8)) and 2 ([8, 12))
+    decode(node, other, 4)                              # ack 3
+    req.finish()
+    node.mgr.finalize_release_on_finish(req)
+    node.off.expire([1, 2])
+    node.mgr.check_offload_progress()                   # released, slots of [4, 12) quarantined
+    assert node.mgr.state_of(req) is R and node.alloc.freed_pages == [0]
+    assert (node.mgr.stats().quarantined_slots, node.mgr._reading.total()) == (8, 12)
+    assert node.mgr.disown_expired_copies([]) == 0
+    assert node.mgr.disown_expired_copies([3, 1, 99]) == 1          # ack 3 is in flight, 99 unknown
+    assert node.mgr.disown_expired_copies([1]) == 0                 # already disowned
+    assert node.mgr._reading.total() == 8                           # ack 1's slots are not guarded
+    node.mgr.check_integrity()
+    node.off.land([1])                                  # the disowned copy ends: host pages only
+    node.mgr.check_offload_progress()
+    assert node.alloc.freed_pages == [0] and node.mgr.stats().quarantined_slots == 4
+    node.off.land([2])                                  # the other expired copy: its slots come back
+    node.mgr.check_offload_progress()
+    assert node.alloc.freed_pages == [0, 2] and node.mgr.stats().quarantined_slots == 0
+    assert node.mgr.copies_of(other) == [3] and node.mgr.disown_expired_copies([2, 3]) == 0
+    node.land_all()
+    node.store_all()
+    assert node.mgr.idle() and node.off.host_free_pages() == 1 << 12
+
+
 def test_dropped_released_request_is_not_pinned_and_not_a_leak():
     node = Node(page_size=4)
     req = Req("r", range(4), row=0, finished=True)
