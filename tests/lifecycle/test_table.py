@@ -1,0 +1,121 @@
+"""``lifecycle.table``: the record table and the ownership registries, and ``deep_copy`` (the
+manager's ``__deepcopy__``): an independent manager over copied requests that can be driven on its
+own — the bounded model check explores what-if orderings on such copies.
+
+``DecodeOffloadManager.__deepcopy__`` promises "an independent copy, requests included": the copy's
+records are keyed by the copied requests, its copies in flight refer to its own records, driving it
+leaves the original as it was (and the other way round), the copy owns its live requests and its
+copied offloader, and the logger, clock, TP group, machine and ownership registry are shared.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+
+from lifecycle import ConfigError, DecodeOffloadManager, State
+from lifecycle import table
+from lifecycle_tools.testkit.doubles import Req
+from tests.conftest import Node
+
+
+def node_with_three():
+    """'a' INFLIGHT (ack 1), 'b' PREFILLED, 'c' RELEASED."""
+    node = Node(page_size=4)
+    a, b, c = Req("a", range(4), row=0), Req("b", range(4), row=1), Req("c", range(4), row=2, finished=True)
+    for i in range(4):
+        a.decode(i)
+        node.mgr.offload_kv_cache(a)
+    node.mgr.offload_kv_cache(b)
+    node.mgr.finalize_release_on_finish(c)
+    return node, a, b, c
+
+
+def states(mgr, *reqs):
+    return [mgr.state_of(r) for r in reqs]
+
+
+def test_a_copy_is_a_manager_over_copied_requests_driven_on_its_own():
+    node, a, b, c = node_with_three()
+    mgr = node.mgr
+    twin, a2, b2, c2 = copy.deepcopy((mgr, a, b, c))
+    assert type(twin) is DecodeOffloadManager and twin is not mgr
+    assert all(x is not y for x, y in ((a, a2), (b, b2), (c, c2)))
+    # the copy knows the copied requests, in the same states, and not the originals
+    assert states(twin, a2, b2, c2) == [State.INFLIGHT, State.PREFILLED, State.RELEASED]
+    assert states(twin, a, b, c) == [None, None, None] and states(mgr, a2, b2, c2) == [None, None, None]
+    assert set(twin._records) == {id(a2), id(b2), id(c2)}
+    rec = twin._records[id(a2)]
+    assert rec is not mgr._records[id(a)] and rec.offload is not mgr._records[id(a)].offload
+    assert twin._ongoing[1].rec is rec and twin._ongoing[1].req is a2 and twin.copies_of(a2) == [1]
+    # shared: logger, rate limiter, clock, TP group, machine, ownership registry; the rest copied
+    for key in ("_log", "_alerts", "_clock", "tp_group", "_fire", "_owners"):
+        assert getattr(twin, key) is getattr(mgr, key), key
+    for key in ("offloader", "req_to_token_pool", "token_to_kv_pool_allocator", "_ongoing", "_by_name",
+                "_reading", "_dropped", "_records"):
+        assert getattr(twin, key) is not getattr(mgr, key), key
+    assert twin.stats() == mgr.stats() and twin.snapshot() == mgr.snapshot()
+    twin.check_integrity()
+    # driving the copy leaves the original as it was
+    before = (mgr.stats(), mgr.snapshot(), mgr.progress_of(a))
+    twin.offloader.land()
+    twin.check_offload_progress()
+    a2.decode(9)
+    a2.finish()
+    twin.finalize_release_on_finish(a2)
+    assert states(twin, a2, b2) == [State.RELEASED, State.PREFILLED]
+    assert (mgr.stats(), mgr.snapshot(), mgr.progress_of(a)) == before
+    assert states(mgr, a, b, c) == [State.INFLIGHT, State.PREFILLED, State.RELEASED]
+    assert twin.req_to_token_pool.freed_rows == [2, 0] and twin.stats().released == 2
+    assert node.pool.freed_rows == [2]
+    # and the other way round
+    node.land_all()
+    assert twin.stats().chunks_landed == 1 and mgr.stats().chunks_landed == 1
+    mgr.check_integrity()
+    twin.check_integrity()
+
+
+def test_a_copy_owns_its_live_requests_and_its_offloader():
+    node, a, b, c = node_with_three()
+    mgr = node.mgr
+    twin, a2, b2, c2 = copy.deepcopy((mgr, a, b, c))
+    owner = table.OWNERS.owner
+    assert (owner(a2), owner(b2), owner(a), owner(b)) == (twin, twin, mgr, mgr)
+    assert owner(c2) is None and owner(c) is mgr            # a RELEASED request is claimed by nobody new
+    with pytest.raises(ConfigError, match="already serves another DecodeOffloadManager"):
+        DecodeOffloadManager(twin.req_to_token_pool, twin.token_to_kv_pool_allocator, page_size=4,
+                             offloader=twin.offloader)
+
+
+def test_a_copy_of_a_closed_manager_is_closed_and_claims_no_offloader():
+    node = Node(page_size=4)
+    node.mgr.shutdown()
+    twin = copy.deepcopy(node.mgr)
+    assert twin.closed
+    other = DecodeOffloadManager(twin.req_to_token_pool, twin.token_to_kv_pool_allocator, page_size=4,
+                                 offloader=twin.offloader)     # the copy does not hold it
+    assert not other.closed
+
+
+def test_a_request_dropped_before_the_copy_is_not_copied_and_drops_are_each_managers_own():
+    node, a, b, c = node_with_three()
+    mgr = node.mgr
+    gone = Req("gone", range(4), row=3)
+    mgr.offload_kv_cache(gone)
+    del gone
+    gc.collect()                                          # its record is queued, not retired yet
+    twin, a2, b2, c2 = copy.deepcopy((mgr, a, b, c))
+    assert len(twin._records) == 3 and len(mgr._records) == 4   # a, b, c: the dropped one is skipped
+    assert twin.stats().leaked == 0 and mgr.stats().leaked == 1
+    del b2
+    gc.collect()                                          # the copy's request: the copy's leak only
+    assert (twin.stats().leaked, mgr.stats().leaked) == (1, 1)
+    assert states(mgr, a, b) == [State.INFLIGHT, State.PREFILLED] and twin.state_of(a2) is State.INFLIGHT
+
+
+def test_one_memo_copies_the_manager_once():
+    node, a, _, _ = node_with_three()
+    first, second, a2 = copy.deepcopy((node.mgr, node.mgr, a))
+    assert first is second and first.state_of(a2) is State.INFLIGHT
