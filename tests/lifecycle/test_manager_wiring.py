@@ -12,21 +12,22 @@ import torch
 from lifecycle import DecodeOffloadManager, InvalidRequest, State
 from lifecycle.release import AllocatorReleaseSink
 from lifecycle_tools.testkit.doubles import EffectiveReq
+from tests.support.ranks import world  # noqa: F401 (fixture)
 from tests.support.real_rig import Rig
 from transfer import build_stack
 
 PS = 4
 
 
-def test_from_stack_passes_every_option_through():
+def test_from_stack_passes_every_option_through(world):
     stack = build_stack(1, 1, 2, torch.float16, PS, 64, 64, 4, 32)
     sink = AllocatorReleaseSink(stack.req_to_token_pool, stack.allocator)
     seed = "ef" * 32
     try:
         mgr = DecodeOffloadManager.from_stack(stack, offload_stride=8, namespace_seed=seed,
-                                              tp_group=None, release_sink=sink)
+                                              tp_group=world, release_sink=sink)
         assert (mgr.offload_stride, mgr.namespace_seed, mgr.release_sink, mgr.page_size) == (8, seed, sink, PS)
-        assert mgr.offloader is stack.offloader and mgr.tp_group is None
+        assert mgr.offloader is stack.offloader and mgr.tp_group is world
         mgr.shutdown()
     finally:
         stack.close()

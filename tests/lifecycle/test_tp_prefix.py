@@ -51,3 +51,44 @@ def test_without_a_group_whatever_completed_settles_at_once():
     rig.off.land([2])
     rig.progress()
     assert rig.mgr.stats().chunks_landed == 1
+
+
+def test_ranks_settle_only_what_every_rank_of_their_tp_group_has_seen(world, monkeypatch):
+    """A stand-in second rank: the reduction over the manager's TP group also sees a peer's counts
+    (MIN: only what both ranks saw completes here); a rank outside the group (the default group)
+    has seen nothing, so reducing over the wrong group, or with the wrong op, settles the wrong count."""
+    import torch
+    import torch.distributed as dist
+
+    tp = dist.new_group([0])
+    peer = {"tp": torch.tensor([2, 0]), "other": torch.tensor([0, 0])}
+    real, calls = dist.all_reduce, []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        real(tensor, op=op, group=group)                  # this rank's part (one-rank group)
+        calls.append((group is tp, op == dist.ReduceOp.MIN, tensor.dtype))
+        other = peer["tp"] if group is tp else peer["other"]
+        tensor.copy_(torch.minimum(tensor, other) if op == dist.ReduceOp.MIN else tensor + other)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    rig = Rig(PS, tp_group=tp)
+    req, _ = rig.admit("p", 8, 24)
+    rig.decode(req, 12)                                   # acks 1, 2, 3
+    rig.off.land()
+    rig.progress()                                        # here 3 landed, the peer saw 2
+    s = rig.mgr.stats()
+    assert (s.chunks_landed, s.inflight_writes, s.inflight_storage) == (2, 1, 2)
+    assert calls == [(True, True, torch.int64)]
+    peer["tp"] = torch.tensor([1, 5])
+    rig.progress()                                        # ack 3 seen by both; no op done here yet
+    s = rig.mgr.stats()
+    assert (s.chunks_landed, s.inflight_writes, s.inflight_storage, s.storage_finished) == (3, 0, 3, 0)
+    peer["tp"] = torch.tensor([0, 2])
+    rig.off.complete_storage()
+    rig.progress()                                        # 3 ops done here, 2 on the peer
+    s = rig.mgr.stats()
+    assert (s.storage_finished, s.inflight_storage) == (2, 1)
+    peer["tp"] = torch.tensor([0, 3])
+    rig.progress()
+    assert rig.mgr.stats().storage_finished == 3 and rig.mgr.idle()
+    assert rig.mgr.state_of(req) is State.PREFILLED and len(calls) == 4
