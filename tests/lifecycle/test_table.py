@@ -119,3 +119,22 @@ def test_one_memo_copies_the_manager_once():
     node, a, _, _ = node_with_three()
     first, second, a2 = copy.deepcopy((node.mgr, node.mgr, a))
     assert first is second and first.state_of(a2) is State.INFLIGHT
+
+
+def test_a_new_ownership_registry_starts_empty_and_tracks_claims():
+    owners, offloaders = table.Owners(), table.Offloaders()
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    assert owners.owner(req) is None
+    owners.check(req, node.mgr)                            # nobody holds it: fine
+    node.mgr.offload_kv_cache(req)
+    ref = node.mgr._records[id(req)].ref
+    owners.claim(req, node.mgr, ref)
+    assert owners.owner(req) is node.mgr
+    owners.forget(ref)
+    assert owners.owner(req) is None
+    offloaders.claim(node.off, node.mgr)                   # a fresh registry: no other claim
+    offloaders.claim(node.off, node.mgr)                   # the same manager again: fine
+    other = Node(page_size=4)
+    with pytest.raises(ConfigError, match="already serves another"):
+        offloaders.claim(node.off, other.mgr)
