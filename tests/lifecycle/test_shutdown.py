@@ -128,3 +128,76 @@ def test_what_the_forced_shutdown_bound_cuts_off_is_counted():
         node.mgr.shutdown(force=True, timeout_s=0.05)
     assert len([e for e in logs if e["event"] == "lifecycle.abandoned"]) == 1
     assert node.mgr.stats().abandoned == 1
+
+
+def test_a_forced_shutdown_with_no_time_abandons_copies_and_storage_ops_and_names_them():
+    """timeout_s=0 is a valid bound (nothing is waited for): the copy in flight and the storage
+    write in flight are both abandoned, counted, and named in one ``lifecycle.abandoned`` event."""
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    for t in range(8):                                # acks 1 ([4, 8)) and 2 ([8, 12))
+        req.decode(t)
+        node.mgr.offload_kv_cache(req)
+    node.off.land([1])
+    node.mgr.check_offload_progress()                 # ack 1's storage write in flight
+    with capture_logs() as logs:
+        pending = node.mgr.shutdown(force=True, timeout_s=0)
+    assert (pending.copies, pending.storage_ops) == (1, 1) and node.mgr.closed
+    assert node.mgr.stats().abandoned == 2
+    (event,) = [e for e in logs if e["event"] == "lifecycle.abandoned"]
+    assert {k: event[k] for k in ("pending", "acks", "copies", "held_slots", "quarantined_slots", "why",
+                                  "log_level")} == dict(
+        pending="1 copies in flight, 1 storage ops in flight", acks=[2], copies=[("r", 2, 8, 12)], held_slots=4,
+        quarantined_slots=0, why="a copy may still read these slots: they stay allocated, never reused",
+        log_level="error")
+    assert node.mgr.shutdown(force=True, timeout_s=0) == pending    # closed: says the same, counts nothing new
+    assert node.mgr.stats().abandoned == 2
+
+
+class Report:
+    def __init__(self, clean):
+        self.clean = clean
+
+    def __str__(self):
+        return f"report(clean={self.clean})"
+
+
+@pytest.mark.parametrize("signature", ["timeout", "timeout_s", "none", "kwargs_only"])
+def test_shutdown_closes_the_offloader_with_its_bound_when_it_takes_one(signature):
+    node = Node(page_size=4)
+    calls = []
+    if signature == "timeout":
+        node.off.close = lambda timeout: calls.append(("timeout", timeout))
+    elif signature == "timeout_s":
+        node.off.close = lambda timeout_s=None: calls.append(("timeout_s", timeout_s))
+    elif signature == "none":
+        node.off.close = lambda: calls.append(("none",))
+    else:
+        node.off.close = lambda *, wait=True: calls.append(("wait", wait))
+    with capture_logs() as logs:
+        node.mgr.shutdown(timeout_s=2.5)
+    assert calls == {"timeout": [("timeout", 2.5)], "timeout_s": [("timeout_s", 2.5)], "none": [("none",)],
+                     "kwargs_only": [("wait", True)]}[signature]
+    assert [e for e in logs if e["event"] == "lifecycle.abandoned"] == []
+
+
+@pytest.mark.parametrize("clean", [False, True, None])
+def test_an_offloader_that_closes_unclean_is_logged_as_abandoned(clean):
+    node = Node(page_size=4)
+    node.off.close = lambda timeout: Report(clean) if clean is not None else object()
+    with capture_logs() as logs:
+        node.mgr.shutdown(timeout_s=1)
+    abandoned = [{k: e[k] for k in ("pending", "log_level")} for e in logs if e["event"] == "lifecycle.abandoned"]
+    assert abandoned == ([dict(pending="report(clean=False)", log_level="error")] if clean is False else [])
+
+
+def test_a_progress_check_that_raises_ends_the_drain_and_is_logged_once():
+    node = Node(page_size=4)
+    finished_with_a_copy(node)
+    node.off.finished_writes = lambda: [99]           # an ack never issued: every progress check raises
+    with capture_logs() as logs:
+        pending = node.mgr.shutdown(force=True, timeout_s=5.0)
+    stopped = [{k: e[k] for k in ("error", "log_level")} for e in logs if e["event"] == "lifecycle.drain_stopped"]
+    assert len(stopped) == 1 and stopped[0]["log_level"] == "error"
+    assert stopped[0]["error"].startswith("UnknownCompletion(") and "('ack', 99)" in stopped[0]["error"]
+    assert node.mgr.closed and pending.copies == 1 and node.mgr.stats().abandoned == 1

@@ -92,3 +92,33 @@ def test_ranks_settle_only_what_every_rank_of_their_tp_group_has_seen(world, mon
     rig.progress()
     assert rig.mgr.stats().storage_finished == 3 and rig.mgr.idle()
     assert rig.mgr.state_of(req) is State.PREFILLED and len(calls) == 4
+
+
+def test_a_forced_shutdown_drains_in_step_with_the_group(world, monkeypatch):
+    """Every rank runs the same number of progress checks: this rank is idle after its second (the
+    copy lands, then its storage write), but a stand-in peer reports busy for three rounds (MAX over
+    the group), so it checks four times."""
+    import torch
+    import torch.distributed as dist
+
+    real, rounds = dist.all_reduce, []
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        real(tensor, op=op, group=group)
+        if op == dist.ReduceOp.MAX:                       # the drain's (busy, expired) agreement
+            rounds.append(tensor.tolist())
+            tensor.copy_(torch.maximum(tensor, torch.tensor([int(len(rounds) < 4), 0])))
+        else:
+            tensor.copy_(torch.minimum(tensor, tensor))
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    rig = Rig(PS, tp_group=world)
+    req, _ = rig.admit("d", 8, 16)
+    rig.decode(req, 4)
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    rig.off.auto_land = True                              # lands (and stores) when polled
+    pending = rig.mgr.shutdown(force=True, timeout_s=5.0)
+    assert rounds == [[1, 0], [0, 0], [0, 0], [0, 0]]     # this rank's own (busy, expired) each round
+    assert (pending.copies, pending.storage_ops, rig.mgr.stats().abandoned) == (0, 0, 0)
+    assert rig.mgr.state_of(req) is State.RELEASED and rig.mgr.closed
