@@ -140,8 +140,11 @@ def test_a_forced_shutdown_with_no_time_abandons_copies_and_storage_ops_and_name
         node.mgr.offload_kv_cache(req)
     node.off.land([1])
     node.mgr.check_offload_progress()                 # ack 1's storage write in flight
+    checks, check = [], node.mgr.check_offload_progress
+    node.mgr.check_offload_progress = lambda: checks.append(1) or check()
     with capture_logs() as logs:
         pending = node.mgr.shutdown(force=True, timeout_s=0)
+    assert len(checks) == 1                           # a bound of 0: one progress check, no waiting
     assert (pending.copies, pending.storage_ops) == (1, 1) and node.mgr.closed
     assert node.mgr.stats().abandoned == 2
     (event,) = [e for e in logs if e["event"] == "lifecycle.abandoned"]
