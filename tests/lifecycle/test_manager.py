@@ -406,6 +406,17 @@ def test_disowned_expired_copies_leave_their_slots_to_their_owner():
     assert node.mgr.idle() and node.off.host_free_pages() == 1 << 12
 
 
+def test_disowning_several_expired_copies_counts_each_once():
+    node = Node(page_size=4)
+    req = Req("r", range(4), row=0)
+    decode(node, req, 12)                               # acks 1, 2, 3
+    node.off.expire([1, 2, 3])
+    node.mgr.check_offload_progress()
+    assert node.mgr.disown_expired_copies([3, 1, 3]) == 2 and node.mgr._reading.total() == 4
+    assert node.mgr.disown_expired_copies(iter([1, 2, 3])) == 1 and node.mgr._reading.total() == 0
+    node.mgr.check_integrity()
+
+
 def test_dropped_released_request_is_not_pinned_and_not_a_leak():
     node = Node(page_size=4)
     req = Req("r", range(4), row=0, finished=True)
