@@ -138,3 +138,13 @@ def test_a_new_ownership_registry_starts_empty_and_tracks_claims():
     other = Node(page_size=4)
     with pytest.raises(ConfigError, match="already serves another"):
         offloaders.claim(node.off, other.mgr)
+
+
+def test_what_refers_back_to_the_manager_refers_to_the_copy_in_the_copy():
+    """A collaborator holding its manager (here a release sink that remembers it) is copied with a
+    reference to the copy, not to the original, and not lost."""
+    node, a, _, _ = node_with_three()
+    node.mgr.release_sink.owner = node.mgr
+    twin, a2 = copy.deepcopy((node.mgr, a))
+    assert twin.release_sink is not node.mgr.release_sink and twin.release_sink.owner is twin
+    assert node.mgr.release_sink.owner is node.mgr
