@@ -104,10 +104,13 @@ def test_a_request_dropped_before_the_copy_is_not_copied_and_drops_are_each_mana
     mgr = node.mgr
     gone = Req("gone", range(4), row=3)
     mgr.offload_kv_cache(gone)
+    later = Req("later", range(4), row=4)                  # recorded after the one that goes
+    mgr.offload_kv_cache(later)
     del gone
     gc.collect()                                          # its record is queued, not retired yet
-    twin, a2, b2, c2 = copy.deepcopy((mgr, a, b, c))
-    assert len(twin._records) == 3 and len(mgr._records) == 4   # a, b, c: the dropped one is skipped
+    twin, a2, b2, c2, later2 = copy.deepcopy((mgr, a, b, c, later))
+    assert len(twin._records) == 4 and len(mgr._records) == 5   # the dropped one is skipped, not the rest
+    assert twin.state_of(later2) is State.PREFILLED
     assert twin.stats().leaked == 0 and mgr.stats().leaked == 1
     del b2
     gc.collect()                                          # the copy's request: the copy's leak only
