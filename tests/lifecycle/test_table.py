@@ -115,6 +115,12 @@ def test_a_request_dropped_before_the_copy_is_not_copied_and_drops_are_each_mana
     del b2
     gc.collect()                                          # the copy's request: the copy's leak only
     assert (twin.stats().leaked, mgr.stats().leaked) == (1, 1)
+    fresh = Req("fresh", range(4), row=5)                 # first seen by the copy, after the copy
+    twin.offload_kv_cache(fresh)
+    assert twin.stats().tracked == 4
+    del fresh
+    gc.collect()
+    assert (twin.stats().leaked, twin.stats().tracked, mgr.stats().leaked) == (2, 3, 1)
     assert states(mgr, a, b) == [State.INFLIGHT, State.PREFILLED] and twin.state_of(a2) is State.INFLIGHT
 
 
