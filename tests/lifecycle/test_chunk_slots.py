@@ -275,3 +275,24 @@ def test_slot_counts_stay_exact_when_copies_overlap_outside_the_check():
     reading.remove(3)
     reading.remove(3)                                                     # a second end changes nothing
     assert reading.total() == 0 and reading.read(ids, 2000, 2015, True) is None
+
+
+def test_a_one_slot_chunk_is_checked_like_any_other():
+    """Page size 1: each chunk is one slot id, and that one id is checked too."""
+    rig = Rig(1)
+    a, _ = rig.admit("a", 4, 8, outputs=(7000, 7001))     # KV for 5 tokens: chunk [4, 5) due
+    table = rig.pool.req_to_token
+    good = int(table[a.kv.req_pool_idx, 4])
+    table[a.kv.req_pool_idx, 4] = -1
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=r"request 'a': row \d+ lists slot -1 at a position to offload "
+                                           r"\(ranges \[\(4, 5\)\]\): KV never allocated there"):
+        rig.mgr.offload_kv_cache(a)
+    assert frozen(rig) == before and rig.mgr.state_of(a) is None
+    table[a.kv.req_pool_idx, 4] = good
+    assert rig.mgr.offload_kv_cache(a) is True and rig.mgr._reading.total() == 1
+    b, _ = rig.admit("b", 4, 8, outputs=(7000, 7001))
+    table[b.kv.req_pool_idx, 4] = good                    # the slot a's copy reads
+    with pytest.raises(InvalidSlots, match=rf"lists slot {good} .* which a copy in flight of request 'a' \(ack 1"):
+        rig.mgr.offload_kv_cache(b)
+    assert rig.mgr.state_of(b) is None

@@ -51,6 +51,9 @@ def test_the_table_grows_for_ids_at_and_past_its_end():
     r.add(3, torch.tensor(range(5 * size, 5 * size + 3)))
     assert r.total() == 6 and busy(r, [5 * size + 2]) == [5 * size + 2]
     assert busy(r, [10 * size]) is None                   # past the table: nobody reads it
+    end = r._n.shape[0]                                   # ids from inside the table to past its end
+    assert busy(r, [size, end]) == [size] and busy(r, [size, 10 * end]) == [size]
+    assert busy(r, [size + 1, end, end + 7]) is None
     for ack in (1, 2, 3):
         r.remove(ack)
     assert r.total() == 0
