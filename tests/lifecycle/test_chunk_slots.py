@@ -296,3 +296,32 @@ def test_a_one_slot_chunk_is_checked_like_any_other():
     with pytest.raises(InvalidSlots, match=rf"lists slot {good} .* which a copy in flight of request 'a' \(ack 1"):
         rig.mgr.offload_kv_cache(b)
     assert rig.mgr.state_of(b) is None
+
+
+@pytest.mark.parametrize("bad", ["repeated", "minus_one_last", "descending"])
+def test_a_two_slot_chunk_is_checked_like_any_other(bad):
+    """Page size 2: a chunk of two slot ids, not in order, repeated or with a -1 in second place."""
+    rig = Rig(2)
+    req, _ = rig.admit("t", 4, 8, outputs=(7000, 7001, 7002))   # KV for 6 tokens: chunk [4, 6) due
+    table, row = rig.pool.req_to_token, req.kv.req_pool_idx
+    first, second = int(table[row, 4]), int(table[row, 5])
+    before = frozen(rig)
+    if bad == "repeated":
+        table[row, 5] = first
+        with pytest.raises(InvalidSlots, match=r"row \d+ lists 1 slot ids more than once in \[\(4, 6\)\]"):
+            rig.mgr.offload_kv_cache(req)
+    elif bad == "minus_one_last":
+        table[row, 5] = -1
+        with pytest.raises(InvalidSlots, match=r"row \d+ lists slot -1 at a position to offload \(ranges \[\(4, 6\)\]\)"):
+            rig.mgr.offload_kv_cache(req)
+    if bad != "descending":
+        assert frozen(rig) == before and rig.mgr.state_of(req) is None
+        return
+    table[row, 4], table[row, 5] = second, first          # both still the request's: accepted
+    assert rig.mgr.offload_kv_cache(req) is True and rig.mgr._reading.total() == 2
+    other, _ = rig.admit("o", 4, 8, outputs=(7000, 7001, 7002))
+    for slot in (first, second):
+        table[other.kv.req_pool_idx, 4] = slot
+        with pytest.raises(InvalidSlots, match=rf"lists slot {slot} .* which a copy in flight of request 't' "
+                                               rf"\(ack 1, tokens \[4, 6\)\) still reads$"):
+            rig.mgr.offload_kv_cache(other)
