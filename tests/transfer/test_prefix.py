@@ -1,7 +1,11 @@
+import time
+
+import pytest
 import torch
 
 import hashing
-from transfer import build_stack, synthetic_kv
+from transfer import StorageUnavailable, build_stack, synthetic_kv
+from transfer.errors import Closed, UnknownId
 from tests.support.transfer_helpers import drain
 
 PS = 4
@@ -65,7 +69,7 @@ def test_page_lost_between_lookup_and_read_shortens_the_load():
     s.storage.batch_get = lose_last
     assert s.prefix_loader.start(3, tokens) == 3
     (done,) = drain(s.prefix_loader.finished, 1)
-    assert done.pages == 2 and done.error
+    assert done.pages == 2 and done.error.startswith("1 page") and "could not be read" in done.error
     assert s.allocator.available_size() == free_before - 2 * PS
     s.close()
 
@@ -78,4 +82,114 @@ def test_short_of_memory_allocates_nothing():
     before = s.allocator.available_size()
     assert s.prefix_loader.start(1, tokens) is None
     assert s.allocator.available_size() == before
+    s.close()
+
+
+def small_stack():
+    return build_stack(1, 1, 4, torch.float16, PS, 64, 32, 2, 32)
+
+
+def test_a_pending_id_and_a_closed_loader_are_refused_by_name():
+    s = small_stack()
+    tokens = list(range(8))
+    store_request(s, 1, tokens)
+    assert s.prefix_loader.start(5, tokens) == 2
+    with pytest.raises(UnknownId, match=r"\bload id 5 is already pending\b"):
+        s.prefix_loader.start(5, tokens)
+    drain(s.prefix_loader.finished, 1)
+    s.prefix_loader.close()
+    with pytest.raises(Closed, match=r"\bprefix loader is closed\b"):
+        s.prefix_loader.start(6, tokens)
+    s.close()
+
+
+def test_a_one_page_prefix_is_loaded_bit_exact():
+    s = small_stack()
+    tokens = list(range(6))  # one full page
+    src = store_request(s, 1, tokens)
+    assert s.prefix_loader.start(2, tokens) == 1
+    (done,) = drain(s.prefix_loader.finished, 1)
+    assert done.pages == 1 and done.error is None and done.device_indices.numel() == PS
+    assert torch.equal(s.kv_pool.read(done.device_indices).view(torch.uint8),
+                       s.kv_pool.read(src[:PS]).view(torch.uint8))
+    s.close()
+
+
+class Seconds:
+    """A metrics observer: ``storage_seconds(op, s)`` calls, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def storage_seconds(self, op, seconds):
+        self.calls.append((op, seconds))
+
+
+def test_the_read_of_a_load_is_reported_to_the_observer_with_its_duration():
+    s = small_stack()
+    tokens = list(range(8))
+    store_request(s, 1, tokens)
+    s.prefix_loader.observer = obs = Seconds()
+    before = time.perf_counter()
+    assert s.prefix_loader.start(3, tokens) == 2
+    drain(s.prefix_loader.finished, 1)
+    took = time.perf_counter() - before
+    assert [op for op, _ in obs.calls] == ["exists", "get"]
+    assert all(0 <= sec <= took for _, sec in obs.calls)  # a duration within the call, not a timestamp
+    s.close()
+
+
+def test_a_load_with_nothing_read_or_a_failed_read_reports_zero_pages_and_frees_every_slot():
+    s = small_stack()
+    tokens = list(range(8))
+    store_request(s, 1, tokens)
+    free_before, host_before = s.allocator.available_size(), s.host_pool.available_size()
+    real_get = s.storage.batch_get
+
+    def lose_all(keys, into):
+        for key in keys:
+            s.storage.delete(key)
+        return real_get(keys, into)
+
+    s.storage.batch_get = lose_all
+    assert s.prefix_loader.start(4, tokens) == 2
+    (done,) = drain(s.prefix_loader.finished, 1)
+    assert done.pages == 0 and done.device_indices.numel() == 0 and done.page_hashes == []
+    assert done.error.startswith("2 pages could not be read")
+    store_request(s, 2, tokens)
+
+    def down(keys, into):
+        raise StorageUnavailable("tier down for the test")
+
+    s.storage.batch_get = down
+    assert s.prefix_loader.start(5, tokens) == 2
+    (done,) = drain(s.prefix_loader.finished, 1)
+    assert done.pages == 0 and done.device_indices.numel() == 0
+    assert "StorageUnavailable" in done.error and "tier down for the test" in done.error
+    assert s.allocator.available_size() == free_before - 2 * PS  # only the second request's own slots
+    assert s.host_pool.available_size() == host_before
+    assert (s.prefix_loader.stats().loads, s.prefix_loader.stats().loads_short) == (2, 2)
+    s.close()
+
+
+def test_loads_pages_and_short_loads_are_counted():
+    s = small_stack()
+    tokens = list(range(12))
+    store_request(s, 1, tokens)
+    real_get = s.storage.batch_get
+
+    def lose_last(keys, into):
+        s.storage.delete(keys[-1])
+        return real_get(keys, into)
+
+    s.storage.batch_get = lose_last
+    assert s.prefix_loader.start(1, tokens) == 3
+    (short,) = drain(s.prefix_loader.finished, 1)
+    s.storage.batch_get = real_get
+    store_request(s, 2, tokens)
+    assert s.prefix_loader.start(2, tokens) == 3
+    (full,) = drain(s.prefix_loader.finished, 1)
+    assert (short.pages, full.pages) == (2, 3)
+    st = s.prefix_loader.stats()
+    assert (st.loads, st.pages_loaded, st.loads_short) == (2, 5, 1)
     s.close()
