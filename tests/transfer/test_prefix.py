@@ -193,3 +193,116 @@ def test_loads_pages_and_short_loads_are_counted():
     st = s.prefix_loader.stats()
     assert (st.loads, st.pages_loaded, st.loads_short) == (2, 5, 1)
     s.close()
+
+
+def test_lookups_and_the_pages_they_find_are_counted():
+    s = small_stack()
+    tokens = list(range(12))  # 3 pages stored
+    store_request(s, 1, tokens)
+    s.prefix_loader.observer = obs = Seconds()
+    loader = s.prefix_loader
+    assert len(loader.lookup(tokens)) == 3
+    assert len(loader.lookup(tokens[:4] + [7] * 8)) == 1  # only the first page is shared
+    assert loader.lookup(list(range(500, 508))) == []  # 2 pages, none stored
+    assert loader.lookup([1, 2, 3]) == []  # not a full page: the tier is not asked
+    assert [op for op, _ in obs.calls] == ["exists"] * 3
+    st = loader.stats()
+    assert (st.lookups, st.pages_looked_up, st.hits, st.pages_found) == (4, 8, 2, 4)
+    s.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
+def test_a_lookup_deadline_must_be_positive_or_none(bad):
+    with pytest.raises(ValueError, match=r"\blookup_timeout_s must be > 0 or None\b"):
+        build_stack(1, 1, 4, torch.float16, PS, 64, 32, 2, 32, lookup_timeout_s=bad)
+    build_stack(1, 1, 4, torch.float16, PS, 64, 32, 2, 32, lookup_timeout_s=None).close()
+
+
+def test_a_failing_lookup_opens_the_loaders_breaker_named_after_the_store_with_the_error():
+    from structlog.testing import capture_logs
+    s = small_stack()
+    tokens = list(range(8))
+    store_request(s, 1, tokens)
+
+    def down(keys):
+        raise StorageUnavailable("disk  gone\n(for the test)")
+
+    s.storage.batch_exists = down
+    with capture_logs() as logs:
+        assert s.prefix_loader.lookup(tokens) == []
+    (ev,) = [e for e in logs if e["event"] == "storage.tier_down"]
+    assert ev["tier"] == "MemoryStorage" and ev["error"] == "disk gone (for the test)"
+    assert s.prefix_loader.stats().failed == 1 and s.prefix_loader.breaker.name == "MemoryStorage"
+    s.close()
+
+
+def test_lookups_run_on_the_callers_thread_or_the_one_named_lookup_thread_loads_on_the_loader_thread(tmp_path):
+    import threading
+    where = []
+    for timeout, storage in ((0.05, "memory"), (None, f"file:{tmp_path}/a"), (5.0, f"file:{tmp_path}/b")):
+        s = build_stack(1, 1, 4, torch.float16, PS, 64, 32, 2, 32, storage=storage, lookup_timeout_s=timeout)
+        tokens = list(range(8))
+        store_request(s, 1, tokens)
+        real_exists, real_get = s.storage.batch_exists, s.storage.batch_get
+        s.storage.batch_exists = lambda keys: (where.append(threading.current_thread().name), real_exists(keys))[1]
+        s.storage.batch_get = lambda k, i: (where.append(threading.current_thread().name), real_get(k, i))[1]
+        assert s.prefix_loader.start(1, tokens) == 2
+        drain(s.prefix_loader.finished, 1)
+        s.close()
+    me = threading.current_thread().name
+    # memory, and no deadline: asked directly; a deadline: on the loader's one lookup thread
+    assert where == [me, "kv-prefix-load-0", me, "kv-prefix-load-0", "kv-prefix-lookup_0", "kv-prefix-load-0"]
+
+
+def test_close_reports_whether_every_load_ended_within_its_timeout():
+    import threading
+
+    from tests.transfer.test_shutdown import bounded
+
+    s = small_stack()
+    tokens = list(range(8))
+    store_request(s, 1, tokens)
+    gate, inside = threading.Event(), threading.Event()
+    real_get = s.storage.batch_get
+
+    def stuck(keys, into):
+        inside.set()
+        gate.wait(10)
+        return real_get(keys, into)
+
+    s.storage.batch_get = stuck
+    assert s.prefix_loader.start(1, tokens) == 2
+    assert inside.wait(10)
+    assert bounded(lambda: s.prefix_loader.close(timeout=0.01)) is False  # the load is left running
+    gate.set()
+    (done,) = drain(s.prefix_loader.finished, 1)  # still reported once it ends
+    assert done.pages == 2 and s.prefix_loader.close(timeout=None) is True
+    s.close()
+
+
+def test_a_loader_with_two_threads_runs_two_loads_at_once():
+    import threading
+
+    from transfer.prefix import PrefixLoader
+
+    s = small_stack()
+    first, second = list(range(8)), list(range(100, 108))
+    store_request(s, 1, first)
+    store_request(s, 2, second)
+    loader = PrefixLoader(s.kv_pool, s.allocator, s.host_pool, s.storage, threads=2)
+    entered = [threading.Event(), threading.Event()]
+    real_get = s.storage.batch_get
+
+    def meet(keys, into):  # each load waits until the other one has started: both in flight at once
+        mine = 0 if keys[0] == hashing.page_hashes(first, PS)[0] else 1
+        entered[mine].set()
+        if not entered[1 - mine].wait(5):
+            raise AssertionError("the other load did not start while this one ran")
+        return real_get(keys, into)
+
+    s.storage.batch_get = meet
+    assert loader.start(1, first) == 2 and loader.start(2, second) == 2
+    done = drain(loader.finished, 2)
+    assert sorted((d.load_id, d.pages, d.error) for d in done) == [(1, 2, None), (2, 2, None)]
+    loader.close()
+    s.close()

@@ -120,3 +120,12 @@ def test_close_never_waits_on_a_thread_longer_than_what_is_left_of_its_timeout(m
     gate.set()
     caller.join(10)
     assert not caller.is_alive()
+
+
+def test_a_name_written_twice_at_once_stays_in_flight_until_both_writes_end():
+    f = InFlight()
+    with f.running("a"):
+        with f.running("a"):
+            assert f.names() == ["a"]
+        assert f.names() == ["a"] and f.wait(0) == ["a"]  # one of the two writes is still running
+    assert f.names() == [] and f.wait(0) == []
