@@ -8,7 +8,7 @@ later are picked up when they match.
 Left out of every group, with the reason:
 
 - tests that start other interpreters (``test_tp``, ``test_faults_kill``, ``test_cross_node``,
-  ``test_mooncake_cross_process``, ``test_logging``, one ``test_sglang_install`` test): the children import the library afresh, outside mutmut's
+  ``test_mooncake_cross_process``, ``test_logging``, ``test_sglang_tp``, one ``test_sglang_install`` test): the children import the library afresh, outside mutmut's
   per-mutant switch, and each costs seconds of interpreter start per mutant;
 - ``test_model_check`` (35 s, exhaustive) and ``test_properties`` (hypothesis state machine):
   too slow per mutant; what they check is asserted directly by the manager's unit tests;
@@ -76,7 +76,7 @@ SLOW_OR_MULTIPROCESS_TESTS = [
     "tests/lifecycle/test_model_check.py", "tests/lifecycle/test_properties.py",
     "tests/lifecycle/test_tp.py", "tests/transfer/test_faults_kill.py",
     "tests/transfer/test_cross_node.py", "tests/transfer/test_mooncake_cross_process.py",
-    "tests/lifecycle/test_logging.py",
+    "tests/lifecycle/test_logging.py", "tests/integrations/test_sglang_tp.py",
 ]
 
 # single tests that start a child interpreter, inside files that are otherwise kept

@@ -75,3 +75,21 @@ def test_threshold_counts_consecutive_failures_only():
 def test_bad_settings_rejected(kw):
     with pytest.raises(ValueError):
         CircuitBreaker(**kw)
+
+
+@pytest.mark.parametrize("error, logged", [
+    (None, None),
+    (ConnectionError("Connection  refused\n by peer"), "Connection refused by peer"),  # one line, single spaces
+    (TimeoutError(), "TimeoutError"),  # no text: the error's type
+    ("lookup took longer than 0.05s", "lookup took longer than 0.05s"),
+])
+def test_the_outage_is_logged_with_the_tier_its_first_backoff_and_the_error(error, logged):
+    b = CircuitBreaker("redis://h:1/0", base_backoff_s=0.25, clock=Clock())
+    assert b.retry_in() == 0.0  # closed: nothing to wait for
+    with capture_logs() as logs:
+        b.failure(error)
+        b.failure(error)  # already open: counted, not logged again
+    (ev,) = logs
+    assert ev["event"] == "storage.tier_down" and ev["log_level"] == "warning"
+    assert ev["tier"] == "redis://h:1/0" and ev["retry_in_s"] == 0.25 and ev["error"] == logged
+    assert b.stats().failures == 2 and b.retry_in() == 0.25

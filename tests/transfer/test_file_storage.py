@@ -228,3 +228,31 @@ def test_close_without_writes_in_flight_returns_nothing_and_checks_its_timeout(t
     assert s.close() == [] and s.close(timeout=None) == []
     assert s.batch_set([f"{3:064x}", f"{4:064x}"], [page(3), page(4)]) == [True, True]  # new writers after close
     assert s.close(timeout=1) == []
+
+
+def test_a_page_replaced_behind_the_index_is_dropped_and_logged_with_its_name_and_size(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.batch_set([A], [page(1)])
+    (tmp_path / f"{A}{SUFFIX}.bin").write_bytes(bytes(NB + 3))  # another process wrote another size
+    with capture_logs() as logs:
+        assert s.batch_exists([A]) == 0
+    (ev,) = [e for e in logs if e["event"] == "file_storage.page_vanished"]
+    assert ev["log_level"] == "warning" and ev["name"] == A + SUFFIX and ev["size"] == NB + 3
+    assert s.stats().stale_indexed == 1 and s.stats().pages == 0
+
+
+def test_a_batch_is_written_by_the_stores_named_daemon_writer_threads(tmp_path, monkeypatch):
+    s = FileStorage(tmp_path, SUFFIX, NB, write_threads=2)
+    seen = []
+    real = s._write_file
+
+    def spy(*args):
+        seen.append((threading.current_thread().name, threading.current_thread().daemon))
+        return real(*args)
+
+    monkeypatch.setattr(s, "_write_file", spy)
+    assert s.batch_set([A, B, C], [page(1), page(2), page(3)]) == [True] * 3
+    assert len(seen) == 3 and {n for n, _ in seen} <= {"kv-file-write-0", "kv-file-write-1"}
+    assert all(daemon for _, daemon in seen)
+    s.close()

@@ -99,3 +99,9 @@ def test_good_suffixes():
 def test_bad_formats(args):
     with pytest.raises(StorageConfigError):
         PageFormat(*args)
+
+
+def test_a_good_key_is_returned_and_a_bad_one_is_named_in_the_error():
+    assert check_key(KEY) == KEY
+    with pytest.raises(InvalidKey, match=r"64 lowercase hex characters.*'\.\./victim/x'"):
+        check_key("../victim/x")

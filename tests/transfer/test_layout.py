@@ -6,8 +6,11 @@ never serve a page of another layout."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
+import threading
+import weakref
 
 import pytest
 import torch
@@ -15,11 +18,13 @@ import torch
 from tests.data.sglang_0_5_19 import MHAHostPool, MLAHostPool
 from tests.support.sglang_pages import random_host, same_kv
 from transfer import build_stack
-from transfer.errors import StorageConfigError
+from transfer.errors import PageSizeMismatch, StorageConfigError
 from transfer.host_pool import HostPool
 from transfer.stack import page_format
 from transfer.storage.identity import DeploymentIdentity
-from transfer.storage.layout import LayoutStorage, PageOrder, seal_layout, wire_format
+from transfer.storage.integrity import PageFormat
+from transfer.storage.layout import LayoutStorage, PageOrder, seal_layout, stored_in_layout, wire_format
+from transfer.storage.memory import MemoryStorage
 from transfer.storage.spec import open_storage
 
 PS, LAYERS, HEADS, DIM, W = 4, 3, 2, 8, 24
@@ -215,3 +220,94 @@ def _reload(host, layout, like):
     order.to_layout(host.page_bytes(0), stored)
     pool.set_from_flat_data_page(0, stored.view(torch.bfloat16))
     return pool
+
+
+def _supported(err) -> list[str]:
+    """The layouts an error message lists after ``supported:``."""
+    return str(err.value).rsplit("supported: ", 1)[1].split(", ")
+
+
+def test_an_unknown_layout_or_page_shape_is_named_with_what_is_supported():
+    mha, mla = page_format(_host(False)), page_format(_host(True))
+    with pytest.raises(StorageConfigError, match=r"host page is .*\(MHA\) or .*\(MLA\), got shape \(2, 3, 4\)"):
+        wire_format(PageFormat("page_first", "bfloat16", (2, 3, 4)), "page_head")
+    with pytest.raises(StorageConfigError, match="'page_head' is not supported for this page") as err:
+        wire_format(mla, "page_head")
+    assert _supported(err) == MLA_LAYOUTS
+    with pytest.raises(StorageConfigError, match="'page_tail' is not supported") as err:
+        wire_format(mha, "page_tail")
+    assert _supported(err) == MHA_LAYOUTS
+    with pytest.raises(StorageConfigError, match="unknown host layout 'page_tail'") as err:
+        seal_layout("page_tail")
+    assert _supported(err) == MHA_LAYOUTS
+    with pytest.raises(StorageConfigError, match="page_first host pages, got layout 'page_head'"):
+        wire_format(wire_format(mha, "page_head"), "page_first_direct")
+
+
+class Recording(MemoryStorage):
+    """A memory tier that records the batches it is handed (sizes, and the staging buffers)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.sets, self.gets, self.buffers = [], [], []
+
+    def batch_set(self, keys, pages):
+        self.sets.append(len(keys))
+        self.buffers += [(p.data_ptr(), weakref.ref(p._base)) for p in pages]
+        return super().batch_set(keys, pages)
+
+    def batch_get(self, keys, into):
+        self.gets.append(len(keys))
+        return super().batch_get(keys, into)
+
+
+def _layout_store(staging_bytes=16 << 20):
+    host = _host(False)
+    fmt = page_format(host)
+    inner = Recording("_m_0_1", host.page_nbytes, page_format=wire_format(fmt, "page_head"))
+    return host, LayoutStorage(inner, "page_head", fmt, staging_bytes=staging_bytes), inner
+
+
+def test_the_wrapper_is_a_tier_of_host_pages_over_an_inner_tier_of_the_layouts_format():
+    host, store, inner = _layout_store()
+    fmt = page_format(host)
+    assert store.page_format == fmt and store.page_nbytes == host.page_nbytes
+    with pytest.raises(StorageConfigError, match="inner tier's format"):
+        LayoutStorage(MemoryStorage("_m_0_1", host.page_nbytes, page_format=fmt), "page_head", fmt)
+    assert stored_in_layout(lambda f: MemoryStorage("", host.page_nbytes, page_format=f), "page_first",
+                            fmt).page_format == fmt  # page_first: the tier itself, opened with the host format
+
+
+def test_a_staging_buffer_under_one_page_still_moves_one_page_per_inner_call():
+    host, store, inner = _layout_store(staging_bytes=_host(False).page_nbytes - 1)
+    keys = [H1, H2, H3]
+    assert store.batch_set(keys, [host.page_bytes(i) for i in range(3)]) == [True] * 3
+    into = [torch.zeros(host.page_nbytes, dtype=torch.uint8) for _ in range(3)]
+    assert store.batch_get(keys, into) == [True] * 3
+    assert inner.sets == [1, 1, 1] and inner.gets == [1, 1, 1]
+    assert all(torch.equal(into[i], host.page_bytes(i)) for i in range(3))
+
+
+def test_one_staging_buffer_per_thread_reused_and_kept_until_the_store_is_closed():
+    host, store, inner = _layout_store()
+    store.batch_set([H1], [host.page_bytes(0)])
+    store.batch_set([H2], [host.page_bytes(1)])
+    t = threading.Thread(target=lambda: store.batch_set([H3], [host.page_bytes(2)]))
+    t.start()
+    t.join()
+    gc.collect()
+    (main1, _), (main2, _), (other, other_buf) = inner.buffers
+    assert main1 == main2 and other != main1  # reused by its thread; each thread has its own
+    assert other_buf() is not None  # the ended thread's buffer is kept (a tier may have registered it)
+    store.close()
+
+
+def test_a_page_of_the_wrong_size_is_refused_before_it_is_reordered():
+    host, store, inner = _layout_store()
+    assert store.batch_set([H1], [host.page_bytes(0)]) == [True]
+    short = torch.zeros(host.page_nbytes - 2, dtype=torch.uint8)
+    with pytest.raises(PageSizeMismatch):
+        store.batch_set([H2], [short])
+    with pytest.raises(PageSizeMismatch):
+        store.batch_get([H1], [short])
+    assert inner.sets == [1] and inner.gets == [] and not short.any()

@@ -114,8 +114,11 @@ def test_lookup_deadline_and_breaker_for_a_tier_without_its_own(tmp_path, monkey
     monkeypatch.setattr(s.storage, "batch_exists", lambda keys: (gate.wait(5), real(keys))[1])
     loader = s.prefix_loader
     assert loader.breaker is not getattr(s.storage, "breaker", None)
-    got, took = timed(lambda: loader.lookup(tokens))
+    with capture_logs() as logs:
+        got, took = timed(lambda: loader.lookup(tokens))
     assert got == [] and took < 1.0 and loader.stats().timed_out == 1
+    (down,) = [e for e in logs if e["event"] == "storage.tier_down"]
+    assert down["tier"] == "FileStorage" and down["error"] == "lookup took longer than 0.05s"
     assert loader.lookup(tokens) == [] and loader.stats().skipped == 1
     gate.set()
     s.close()

@@ -19,7 +19,7 @@ from transfer import StorageUnavailable
 from transfer.storage.integrity import raw_format, seal
 from transfer.storage.redis import HEADER_NBYTES, RedisStorage
 from transfer.storage.redis_cluster import RedisClusterStorage, node_url
-from transfer.storage.redis_reader import GetReader, ProtocolError, pack_gets
+from transfer.storage.redis_reader import GetReader, ProtocolError, _Wire, pack_gets
 
 NB = 4096
 SUF = "_r_0_1"
@@ -179,8 +179,9 @@ def test_connection_cut_mid_reply_is_unavailable_and_leaves_no_partial_page(redi
     proxy.close()
 
 
-def scripted_server(answer: bytes) -> tuple[socket.socket, str]:
-    """A peer that answers any request with ``answer`` (the reply a real server never sends)."""
+def scripted_server(answer: bytes, close_after: bool = False) -> tuple[socket.socket, str]:
+    """A peer that answers any request with ``answer`` (the reply a real server never sends);
+    ``close_after``: then it ends its side, so a reader that reads past ``answer`` fails at once."""
     listener = socket.create_server(("127.0.0.1", 0))
 
     def serve():
@@ -193,6 +194,8 @@ def scripted_server(answer: bytes) -> tuple[socket.socket, str]:
                 conn.sendall(b"%1\r\n$5\r\nproto\r\n:3\r\n")
             elif b"GET" in data:
                 conn.sendall(answer)
+                if close_after:
+                    conn.shutdown(socket.SHUT_WR)
             else:  # the client's handshake (CLIENT SETINFO ...): OK to each command
                 conn.sendall(b"+OK\r\n" * (data.count(b"\r\n*") + data.startswith(b"*")))
         conn.close()
@@ -262,3 +265,64 @@ def test_cluster_slot_moved_under_a_stale_map_is_followed_by_writes_and_reads(re
     admin.close()
     writer.close()
     reader.close()
+
+
+def get_one(answer: bytes) -> list:
+    """``get_into`` of one name against a peer answering ``answer`` and then closing its side."""
+    listener, url = scripted_server(answer, close_after=True)
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return GetReader(HEADER_NBYTES).get_into(client, [b"k"], None, [memoryview(bytearray(8))],
+                                                 lambda j, r, h: None)
+    finally:
+        client.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("before", [
+    b">0\r\n",                                    # an empty push
+    b"|1\r\n:1\r\n:2\r\n",                        # an attribute: one key and its value
+    b">1\r\n%1\r\n:1\r\n:2\r\n",                  # a push holding a map (key, value)
+    b">1\r\n|1\r\n:1\r\n:2\r\n",                  # ... an attribute
+    b">1\r\n>1\r\n:1\r\n",                        # ... a push
+    b">1\r\n~1\r\n:1\r\n",                        # ... a set
+    b">1\r\n*1\r\n:1\r\n",                        # ... an array
+    b">1\r\n=8\r\ntxt:abcd\r\n",                   # ... a verbatim string
+    b">1\r\n!5\r\nERR x\r\n",                      # ... a blob error
+    b">2\r\n*-1\r\n$2\r\nab\r\n",                 # ... a null array and a bulk string
+])
+def test_resp3_pushes_and_attributes_before_a_reply_are_skipped_element_by_element(before):
+    assert get_one(before + b"$-1\r\n") == [None]
+    assert get_one(before + b"$3\r\nabc\r\n") == [3]  # a value after it: its length
+
+
+@pytest.mark.parametrize("answer, bad", [
+    (b">x\r\n", b">x"), (b">" + b"x" * 60 + b"\r\n", b">" + b"x" * 60),
+])
+def test_a_bad_aggregate_length_is_named_in_the_error(answer, bad):
+    with pytest.raises(ProtocolError, match=r"^bad aggregate length ") as err:
+        get_one(answer)
+    assert str(err.value).endswith(repr(bad[:40]))  # the line quoted, cut at 40 bytes
+
+
+@pytest.mark.parametrize("item", [b"$x", b"$" + b"9x" * 30])
+def test_a_bad_bulk_length_inside_a_push_is_named_in_the_error(item):
+    with pytest.raises(ProtocolError, match=r"^bad bulk length ") as err:
+        get_one(b">1\r\n" + item + b"\r\n")
+    assert str(err.value).endswith(repr(item[:40]))
+
+
+def test_skip_drops_exactly_the_bytes_asked_for_across_buffer_refills():
+    a, b = socket.socketpair()
+    b.sendall(b"line1\r\n" + b"0123456789ABCDEFGHIJ" + b"next\r\n" + b"abcdefghij" * 5 + b"last\r\n")
+    b.shutdown(socket.SHUT_WR)  # reading past the end fails at once instead of waiting
+    wire = _Wire(a, bytearray(16))  # a small buffer: the skips need several receives
+    assert wire.line() == b"line1"  # the buffer now holds part of the next 20 bytes
+    wire.skip(20)
+    assert wire.line() == b"next"
+    wire.skip(50)  # more than the buffer: whole-buffer receives, then the exact rest
+    assert wire.line() == b"last"
+    with pytest.raises(redis.ConnectionError):
+        wire.line()
+    a.close()
+    b.close()

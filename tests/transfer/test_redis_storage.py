@@ -50,6 +50,7 @@ def test_unreachable_server_is_a_typed_one_line_error_and_fast():
     assert time.monotonic() - t < 3.0
     msg = str(err.value)
     assert "\n" not in msg and url in msg and "unreachable" in msg
+    assert "Connection refused" in msg  # the reason, on one line
     with pytest.raises(StorageUnavailable):
         build_stack(1, 1, 4, torch.float16, 4, 16, 16, 1, 16, storage=url)
 
@@ -363,3 +364,57 @@ def test_decode_survives_server_outage_and_recovers(make_redis_server):
     finally:
         sch.mgr.shutdown(force=True)
         stack.close()
+
+
+# --- a skipped SET whose value is not our page is repaired ---------------------------------------
+
+class RefusingFrom(CircuitBreaker):
+    """A breaker that lets calls through until its ``refuse_from``-th ``allow`` (counted from a reset)."""
+
+    def __init__(self):
+        super().__init__("test")
+        self.calls, self.refuse_from = 0, None
+
+    def allow(self):
+        self.calls += 1
+        return (self.refuse_from is None or self.calls < self.refuse_from) and super().allow()
+
+
+@pytest.mark.parametrize("step, what", [(2, "check existing"), (3, "repair")])
+def test_a_repair_round_trip_refused_is_named_in_the_error(redis_url, step, what):
+    b = RefusingFrom()
+    s = RedisStorage(redis_url, "_m_0_1", NB, breaker=b)
+    c = raw_client(redis_url)
+    c.set(A + "_m_0_1", b"not a page")  # SET NX keeps it: checked, then overwritten
+    b.calls, b.refuse_from = 0, step  # 1: the SETs, 2: the check of the skipped ones, 3: the repair
+    with pytest.raises(StorageUnavailable, match=rf"\({what}\): circuit open"):
+        s.batch_set([A], [page(1)])
+    c.close()
+    s.close()
+
+
+def test_a_repair_overwrites_only_the_foreign_values_keeps_the_ttl_and_logs_each(redis_url):
+    s = RedisStorage(redis_url, "_m_0_1", NB, ttl_s=600)
+    assert s.batch_set([A], [page(1)]) == [True]  # ours: a later SET of it is skipped, not repaired
+    c = raw_client(redis_url)
+    c.set(B + "_m_0_1", b"x" * 10)  # another length, not a page
+    with structlog.testing.capture_logs() as logs:
+        assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    st = s.stats()
+    assert (st.skipped, st.repaired) == (1, 1)
+    assert [e["name"] for e in logs if e["event"] == "redis_storage.repaired"] == [B + "_m_0_1"]
+    assert 0 < c.pttl(B + "_m_0_1") <= 600_000  # the repaired page expires like any other
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert s.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
+    c.close()
+    s.close()
+
+
+def test_a_stored_page_of_another_size_is_repaired_not_kept(redis_url):
+    fmt = PageFormat.of("page_first", torch.uint8, (2, 16))
+    s = RedisStorage(redis_url, "_m_0_1", page_format=fmt)  # any page size
+    assert s.batch_set([A], [torch.full((2 * NB,), 7, dtype=torch.uint8)]) == [True]
+    assert s.batch_set([A], [page(3)]) == [True] and s.stats().repaired == 1
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert s.batch_get([A], [out]) == [True] and torch.equal(out, page(3))
+    s.close()

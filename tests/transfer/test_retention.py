@@ -41,7 +41,7 @@ def test_options_are_split_from_the_spec(spec, rest, options):
 @pytest.mark.parametrize("spec, words", [
     ("redis://h:6379/0?ttl_s=an-hour", "not a number of seconds"),
     ("redis://h:6379/0?ttl_s=inf", "finite"),
-    ("redis://h:6379/0?capacity_bytes=1.5", "whole number of bytes"),
+    ("redis://h:6379/0?capacity_bytes=1.5", r"capacity_bytes='1\.5' is not a whole number of bytes \(in"),
     ("redis://h:6379/0?ttl_s=1&ttl_s=2", "given twice"),
     ("file:/data/kv?ttl_s=60", "has no option 'ttl_s'"),
     ("file:/data/kv?max_size=60", "unknown file storage option"),
@@ -70,6 +70,18 @@ def test_with_retention_options_appends_what_was_given():
     assert with_retention_options("file:/d") == "file:/d"
     with pytest.raises(StorageConfigError, match="given twice"):
         with_retention_options("redis://h:1/0?ttl_s=5", ttl_s=6)
+
+
+def test_with_retention_options_on_file_and_memory_specs_follows_their_last_question_mark():
+    # a "?" in a directory name is part of the name: the options go after a "?" of their own
+    assert with_retention_options("file:/data/a?b", capacity_bytes=9) == "file:/data/a?b?capacity_bytes=9"
+    assert split_retention_options("file:/data/a?b?capacity_bytes=9") == ("file:/data/a?b", dict(capacity_bytes=9))
+    assert with_retention_options("memory?x", capacity_bytes=9) == "memory?x?capacity_bytes=9"
+    # options already in the spec: the new one joins them, so giving one twice is caught
+    with pytest.raises(StorageConfigError, match="given twice"):
+        with_retention_options("file:/d?capacity_bytes=9", capacity_bytes=10)
+    with pytest.raises(StorageConfigError, match="given twice"):
+        with_retention_options("memory?capacity_bytes=9", capacity_bytes=10)
 
 
 def test_redis_keys_carry_the_prefix_and_expire(redis_url):

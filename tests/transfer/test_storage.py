@@ -267,3 +267,53 @@ def test_same_size_page_of_another_format_is_a_miss_in_every_tier(make, tmp_path
             assert reader.batch_exists([key]) == 0  # the seal is checked without reading the page
         out = page(0)
         assert writer.batch_get([key], [out]) == [True] and torch.equal(out, page(5))
+
+
+# --- the shared behaviour's reports: events, counters and log lines ----------------------------
+
+class Events:
+    """A KV-event hook (``Storage.events``) that records what it is told, in order."""
+
+    def __init__(self):
+        self.told = []
+
+    def stored(self, keys):
+        self.told.append(("stored", list(keys)))
+
+    def removed(self, keys):
+        self.told.append(("removed", list(keys)))
+
+
+def test_delete_announces_the_removed_page_by_its_hash():
+    s = MemoryStorage(SUFFIX, NB)
+    s.events = ev = Events()
+    assert s.batch_set([A], [page(1)]) == [True]
+    assert s.delete(A) and not s.delete(A)
+    assert ev.told == [("stored", [A]), ("removed", [A])]  # by page hash, once
+
+
+def test_a_delete_that_fails_is_false_counted_and_logged_with_the_error(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    os.mkdir(tmp_path / f"{A}{SUFFIX}.bin")  # unlink of a directory fails (EISDIR), even for root
+    with capture_logs() as logs:
+        assert s.delete(A) is False
+    assert s.stats().errors == 1 and s.stats().deletes == 0
+    (ev,) = [e for e in logs if e["event"] == "storage.delete_failed"]
+    assert ev["log_level"] == "error" and ev["name"] == A + SUFFIX and ev["errno"] == errno.EISDIR
+    assert "directory" in ev["error"].lower()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_the_first_unverified_page_is_warned_with_the_store_the_page_and_the_remedy(strict):
+    from structlog.testing import capture_logs
+    s = MemoryStorage(SUFFIX, NB, checksum=False, require_checksum=strict)  # pages stored without a seal
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    with capture_logs() as logs:
+        assert s.batch_get([A, B], [page(0), page(0)]) == [not strict] * 2
+    (ev,) = [e for e in logs if e["event"] == "storage.unverified_page"]  # the first one only
+    assert ev["log_level"] == "warning" and ev["store"] == "MemoryStorage" and ev["name"] == A + SUFFIX
+    assert ev["served"] is (not strict)
+    hint = ev["hint"]
+    assert hint.startswith("pages without a checksum seal") and "SGLang" in hint and "checksum=False" in hint
+    assert hint.endswith("require_checksum=True refuses them")
