@@ -145,7 +145,7 @@ def _mutmut(snapshot: Path, env: dict, log: Path, args: list[str]) -> int:
 
 
 def run_group(commit_dir: Path, commit: str, group: str, max_children: int, previous: Path | None = None,
-              resume: bool = False) -> dict:
+              resume: bool = False, survivors_only: bool = False) -> dict:
     snapshot = commit_dir / group
     survived_before = []
     continuing = resume and (snapshot / "mutants").is_dir()
@@ -171,7 +171,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     if not resume:
         log.unlink(missing_ok=True)
     start = time.monotonic()
-    rc = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children)])
+    rc = 0 if survivors_only and survived_before else _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children)])
 
     def listing() -> dict[str, str]:
         out = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=snapshot, env=env,
@@ -274,6 +274,8 @@ def main() -> None:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--report-only", action="store_true", help="print the table of a finished run")
+    ap.add_argument("--survivors-only", action="store_true",
+                    help="with --resume-from: run only REV's survivors again (by name), nothing else")
     ap.add_argument("--continue", dest="resume", action="store_true",
                     help="go on with a stopped run of the same commit (its snapshots kept)")
     ap.add_argument("--resume-from", metavar="REV", help="start each group from REV's finished snapshot: only "
@@ -293,7 +295,7 @@ def main() -> None:
                              check=True, capture_output=True, text=True).stdout.strip()
         previous = args.workdir.resolve() / old
     for group in [] if args.report_only else args.groups:
-        r = run_group(commit_dir, commit, group, args.max_children, previous, args.resume)
+        r = run_group(commit_dir, commit, group, args.max_children, previous, args.resume, args.survivors_only)
         done[group] = r
         results_file.write_text(json.dumps(list(done.values()), indent=1))
         print(f"  {group}: {len(r['outcomes'])} mutants in {r['wall_s']:.0f} s (mutmut rc {r['rc']})",
