@@ -158,3 +158,30 @@ def test_writers_and_readers_never_miss_while_keys_migrate_one_by_one(redis_clus
     assert failures == []
     assert s.stats().errors == 0
     s.close()
+
+
+def test_reads_through_ask_refresh_the_ttl_miss_absent_keys_and_leave_the_slot_map_alone(redis_cluster):
+    src, dst = redis_cluster.nodes[0], redis_cluster.nodes[1]
+    keys = keys_of_node(0, len(redis_cluster.nodes), 4)
+    s = open_storage(redis_cluster.url + "?ttl_s=600", SUFFIX, NB, page_format=FMT)
+    migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in keys})
+    refreshes = []
+    real_initialize = s._client.nodes_manager.initialize
+    try:
+        assert s.batch_set(keys[:3], [page(i) for i in range(3)]) == [True] * 3
+        for h in keys[:3]:
+            src.command("PEXPIRE", h + SUFFIX, 5000)  # MIGRATE keeps it
+        migration.begin()
+        migration.move([h + SUFFIX for h in keys[:3]])  # on the destination: reads are ASKed there
+        s._client.nodes_manager.initialize = lambda *a, **kw: (refreshes.append(1), real_initialize(*a, **kw))[1]
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(4)]
+        assert s.batch_get(keys, out) == [True] * 3 + [False]  # keys[3]: on neither node (nil via ASK)
+        assert all(torch.equal(out[i], page(i)) for i in range(3)) and not out[3].any()
+        assert refreshes == []  # ASK names a known node: no slot map refresh
+        assert s.stats().errors == 0 and s.stats().corrupt == 0
+    finally:
+        s._client.nodes_manager.initialize = real_initialize
+        migration.move_all()
+        migration.end()
+    assert all(dst.command("PTTL", h + SUFFIX) > 50_000 for h in keys[:3])  # GETEX ... PX through ASK
+    s.close()
