@@ -256,3 +256,21 @@ def test_a_batch_is_written_by_the_stores_named_daemon_writer_threads(tmp_path, 
     assert len(seen) == 3 and {n for n, _ in seen} <= {"kv-file-write-0", "kv-file-write-1"}
     assert all(daemon for _, daemon in seen)
     s.close()
+
+
+def test_a_write_that_makes_no_progress_is_a_no_space_error():
+    from transfer.storage.file import _write_all
+
+    class Full:
+        def write(self, view):
+            return 0
+
+    with pytest.raises(OSError, match="short write") as err:
+        _write_all(Full(), memoryview(b"page"))
+    assert err.value.errno == errno.ENOSPC
+
+
+def test_without_a_suffix_a_page_file_is_its_hash(tmp_path):
+    s = FileStorage(tmp_path, page_nbytes=NB)
+    assert s.batch_set([A], [page(1)]) == [True]
+    assert os.listdir(tmp_path) == [f"{A}.bin"]

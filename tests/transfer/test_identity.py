@@ -153,3 +153,25 @@ def test_pp_and_cp_stacks_share_pages_both_ways_with_hicache_file(tmp_path, mla,
         assert stack.storage.batch_get([theirs], [host.page_bytes(1)]) == [True] and same_kv(host, 1, pool, 0)
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize("fields, what", [
+    ({"model_name": "a\x01b"}, "model_name"),  # a control character that is not whitespace
+    ({"model_name": "a\x7fb"}, "model_name"),  # DEL
+    ({"backend_tag": "a\x7fb"}, "backend_tag"),
+])
+def test_a_control_character_is_refused_naming_the_field(fields, what):
+    with pytest.raises(StorageConfigError, match=rf"\b{what} must be a str without whitespace or control characters"):
+        DeploymentIdentity(**fields)
+
+
+def test_refusals_name_the_field_and_what_is_supported():
+    with pytest.raises(StorageConfigError) as err:
+        DeploymentIdentity(backend_tag="")
+    assert str(err.value).startswith("deployment identity: backend_tag") and "must be None or a non-empty" in str(err.value)
+    with pytest.raises(StorageConfigError) as err:
+        DeploymentIdentity(layout="layer_first")
+    assert str(err.value).rsplit("supported: ", 1)[1].split(", ") == list(LAYOUTS)
+    with pytest.raises(StorageConfigError) as err:
+        DeploymentIdentity(mla=True, layout="page_head")
+    assert str(err.value).rsplit("supported for MLA: ", 1)[1].split(", ") == ["page_first", "page_first_direct"]

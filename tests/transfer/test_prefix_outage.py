@@ -122,3 +122,31 @@ def test_lookup_deadline_and_breaker_for_a_tier_without_its_own(tmp_path, monkey
     assert loader.lookup(tokens) == [] and loader.stats().skipped == 1
     gate.set()
     s.close()
+
+
+def test_one_lookup_thread_a_hung_lookup_is_not_joined_by_another_nor_waited_for_at_close(tmp_path, monkeypatch):
+    import threading
+
+    from tests.transfer.test_shutdown import bounded
+
+    s = build_stack(1, 1, 4, torch.float16, PS, 64, 32, 2, 32, storage=f"file:{tmp_path}", lookup_timeout_s=0.05)
+    tokens = list(range(8))
+    store_request(s, 1, tokens)
+    gate, calls = threading.Event(), []
+    real = s.storage.batch_exists
+
+    def first_hangs(keys):
+        calls.append(1)
+        if len(calls) == 1:
+            gate.wait(10)
+        return real(keys)
+
+    monkeypatch.setattr(s.storage, "batch_exists", first_hangs)
+    loader = s.prefix_loader
+    assert loader.lookup(tokens) == [] and loader.stats().timed_out == 1
+    loader.breaker.success()  # as after its backoff: the next lookup asks the tier again
+    assert loader.lookup(tokens) == []  # queued behind the hung one on the one lookup thread
+    assert loader.stats().timed_out == 2 and calls == [1]
+    assert bounded(lambda: loader.close(timeout=2), limit=5.0) is True  # the hung lookup is abandoned
+    gate.set()
+    s.close()
