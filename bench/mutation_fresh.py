@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.mutation import PYTEST_ARGS, configure, snapshot_of  # noqa: E402
+from bench.mutation import _SHOW_ALL, PYTEST_ARGS, configure, snapshot_of  # noqa: E402
 
 
 def stats_only(snapshot: Path, env: dict) -> None:
@@ -127,10 +127,8 @@ def main() -> None:
                  "tests": [], "outcomes": outcomes, "runner": "fresh interpreter per mutant"})
     results_file.write_text(json.dumps(done, indent=1))
     survivors = [n for n, s in outcomes.items() if s == "survived"]
-    subprocess.run([sys.executable, "-c", "import sys\nfrom mutmut.__main__ import find_mutant, get_diff_for_mutant\n"
-                    "with open(sys.argv[1], 'w') as f:\n    for n in sys.argv[2:]:\n"
-                    "        f.write(f'# {n}\\n' + get_diff_for_mutant(n, path=find_mutant(n).path) + '\\n')\n",
-                    str(commit_dir / f"{args.group}.survivors.txt"), *survivors], cwd=snapshot, env=env, check=False)
+    subprocess.run([sys.executable, "-c", _SHOW_ALL, str(commit_dir / f"{args.group}.survivors.txt"), *survivors],
+                   cwd=snapshot, env=env, check=False)
 
 
 if __name__ == "__main__":
