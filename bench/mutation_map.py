@@ -83,4 +83,4 @@ SLOW_OR_MULTIPROCESS_TESTS = [
 DESELECT = ["tests/integrations/test_sglang_install.py::test_importing_the_integration_imports_no_sglang"]
 
 LIBRARY = ["lifecycle", "transfer", "hashing"]
-ALSO_COPY = ["lifecycle_tools", "tests", "bench"]  # importable, never mutated
+ALSO_COPY = ["lifecycle_tools", "tests", "bench", "docs", "diagrams", "README.md"]  # importable or read by tests, never mutated
