@@ -70,7 +70,7 @@ GROUPS: dict[str, dict[str, list[str]]] = {
     },
 }
 
-NEVER_MUTATE = ["*/__main__.py"]
+NEVER_MUTATE = ["**/__main__.py"]  # at any depth
 
 SLOW_OR_MULTIPROCESS_TESTS = [
     "tests/lifecycle/test_model_check.py", "tests/lifecycle/test_properties.py",

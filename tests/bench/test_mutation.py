@@ -1,0 +1,136 @@
+"""``bench/mutation.py`` and ``bench/mutation_fresh.py``: the campaign's bookkeeping (what counts as
+detected, what the kill rate divides by, which files a group mutates and runs, what a fresh
+interpreter's exit status means). mutmut itself is not needed: these parts never import it."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench import mutation, mutation_fresh
+from bench.mutation_map import GROUPS, NEVER_MUTATE, SLOW_OR_MULTIPROCESS_TESTS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_outcome_is_counted_in_exactly_one_column():
+    outcomes = {
+        "a.x_f__mutmut_1": "killed",
+        "a.x_f__mutmut_2": "caught by type check",
+        "a.x_f__mutmut_3": "survived",
+        "a.x_f__mutmut_4": "survived",  # listed equivalent below
+        "a.x_f__mutmut_5": "timeout",
+        "a.x_f__mutmut_6": "segfault",
+        "a.x_f__mutmut_7": "no tests",
+        "a.x_f__mutmut_8": "not checked",
+        "a.x_f__mutmut_9": "check was interrupted by user",
+        "a.x_f__mutmut_10": "suspicious",
+    }
+    c = mutation.tally(outcomes, {"a.x_f__mutmut_4": "same bytes"})
+    assert c == Counter({"generated": 10, "killed": 2, "survived": 1, "equivalent": 1, "timeout": 1,
+                         "crashed": 1, "no tests": 1, "not run": 2, "other": 1})
+    assert sum(c[k] for k in mutation.COLUMNS if k != "generated") == c["generated"]
+
+
+def test_kill_rate_counts_timeouts_and_crashes_as_detected_and_leaves_out_what_was_not_judged():
+    c = Counter({"generated": 20, "killed": 6, "timeout": 1, "crashed": 1, "survived": 2, "equivalent": 3,
+                 "no tests": 4, "not run": 3})
+    # judged = 20 - 3 - 4 - 3 = 10; detected = 6 + 1 + 1 = 8
+    assert mutation.kill_rate(c) == "80.0%"
+    assert mutation.kill_rate(Counter({"generated": 2, "no tests": 2})) == "-"
+
+
+def test_equivalent_file_is_name_then_reason(tmp_path, monkeypatch):
+    f = tmp_path / "eq.txt"
+    f.write_text("m.x_a__mutmut_1  # speed only\n\n   \nm.x_b__mutmut_2 # a # in the reason\n")
+    monkeypatch.setattr(mutation, "EQUIVALENT_FILE", f)
+    assert mutation.load_equivalent() == {"m.x_a__mutmut_1": "speed only", "m.x_b__mutmut_2": "a # in the reason"}
+    monkeypatch.setattr(mutation, "EQUIVALENT_FILE", tmp_path / "missing.txt")
+    assert mutation.load_equivalent() == {}
+
+
+def test_the_equivalent_list_has_a_reason_on_every_line_and_no_name_twice():
+    lines = [line for line in (ROOT / "bench" / "mutation_equivalent.txt").read_text().splitlines() if line.strip()]
+    names = [line.partition("#")[0].strip() for line in lines]
+    assert all("__mutmut_" in n for n in names)
+    assert all(line.partition("#")[2].strip() for line in lines)
+    assert len(names) == len(set(names))
+
+
+def test_expand_matches_globs_and_drops_exclusions(tmp_path):
+    for p in ("transfer/storage/file.py", "transfer/storage/mooncake.py", "transfer/storage/mooncake_keys.py",
+              "transfer/storage/__main__.py", "transfer/other.py"):
+        (tmp_path / p).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / p).write_text("")
+    got = mutation.expand(tmp_path, ["transfer/storage/*.py"], ["transfer/storage/mooncake*.py", *NEVER_MUTATE])
+    assert got == ["transfer/storage/file.py"]
+
+
+def test_every_group_mutates_real_modules_and_runs_real_tests_and_no_module_is_in_two_groups():
+    seen: dict[str, str] = {}
+    for group, spec in GROUPS.items():
+        modules = mutation.expand(ROOT, spec["mutate"], NEVER_MUTATE + spec.get("exclude", []))
+        tests = mutation.expand(ROOT, spec["tests"], SLOW_OR_MULTIPROCESS_TESTS)
+        assert modules and tests, group
+        for m in modules:
+            assert m not in seen, f"{m} in {seen.get(m)} and {group}"
+            seen[m] = group
+        assert not set(tests) & set(SLOW_OR_MULTIPROCESS_TESTS)
+    library = {p.relative_to(ROOT).as_posix() for top in ("lifecycle", "transfer", "hashing")
+               for p in (ROOT / top).rglob("*.py") if p.name != "__main__.py"}
+    # every library module with code is in some group (package __init__ files may be re-exports only)
+    missing = sorted(m for m in library - set(seen) if not m.endswith("__init__.py"))
+    assert missing == []
+
+
+def test_configure_writes_the_group_section_once_and_refuses_a_second(tmp_path):
+    (tmp_path / "hashing").mkdir()
+    (tmp_path / "hashing" / "chain.py").write_text("")
+    (tmp_path / "tests" / "hashing").mkdir(parents=True)
+    (tmp_path / "tests" / "hashing" / "test_chain.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n\n[tool.pytest.ini_options]\naddopts = ''\n")
+    modules, tests = mutation.configure(tmp_path, "hashing")
+    assert modules == ["hashing/chain.py"] and tests == ["tests/hashing/test_chain.py"]
+    text = (tmp_path / "pyproject.toml").read_text()
+    assert f"[tool.pytest.ini_options]\ntimeout = {mutation.PER_TEST_TIMEOUT_S}\n" in text
+    assert 'only_mutate = ["hashing/chain.py"]' in text
+    assert f"timeout_multiplier = {mutation.TIMEOUT_MULTIPLIER}" in text
+    with pytest.raises(SystemExit, match="already has"):
+        mutation.configure(tmp_path, "hashing")
+    # a configured snapshot is only read back
+    assert mutation.configure(tmp_path, "hashing", write=False) == (modules, tests)
+
+
+def test_fresh_runner_maps_each_mutant_to_the_tests_of_its_function(tmp_path):
+    mutants = tmp_path / "mutants"
+    (mutants / "transfer" / "storage").mkdir(parents=True)
+    (mutants / "mutmut-stats.json").write_text(json.dumps({"tests_by_mangled_function_name": {
+        "transfer.storage.m.xǁCǁput": ["tests/t.py::test_b", "tests/t.py::test_a"]}}))
+    (mutants / "transfer" / "storage" / "m.py.meta").write_text(json.dumps({"exit_code_by_key": {
+        "transfer.storage.m.xǁCǁput__mutmut_1": None, "transfer.storage.m.xǁCǁget__mutmut_1": None}}))
+    tested, untested = mutation_fresh.mutants_with_tests(tmp_path)
+    assert tested == {"transfer.storage.m.xǁCǁput__mutmut_1": ["tests/t.py::test_a", "tests/t.py::test_b"]}
+    assert untested == ["transfer.storage.m.xǁCǁget__mutmut_1"]
+
+
+def test_fresh_runner_reads_pytests_exit_status(tmp_path, monkeypatch):
+    mutants = tmp_path / "mutants"
+    mutants.mkdir()
+    (mutants / "test_m.py").write_text(
+        "import os, signal, time\n"
+        "def test_m():\n"
+        "    m = os.environ['MUTANT_UNDER_TEST']\n"
+        "    if m == 'hang': time.sleep(30)\n"
+        "    if m == 'crash': os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    assert m != 'bad'\n")
+    monkeypatch.setattr(mutation_fresh, "PYTEST_ARGS", ["-p", "no:cacheprovider", "-q"])
+    env = {"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"}
+    run = mutation_fresh.run_one
+    assert run(tmp_path, env, "good", ["test_m.py"], 60) == "survived"
+    assert run(tmp_path, env, "bad", ["test_m.py"], 60) == "killed"
+    assert run(tmp_path, env, "crash", ["test_m.py"], 60) == "segfault"
+    assert run(tmp_path, env, "hang", ["test_m.py"], 3) == "timeout"
+    assert run(tmp_path, env, "good", ["no_such_test.py"], 60).startswith("other (pytest exit")
