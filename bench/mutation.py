@@ -108,7 +108,8 @@ pytest_add_cli_args = {toml_list(PYTEST_ARGS + [f"--deselect={t}" for t in DESEL
 pytest_add_cli_args_test_selection = {toml_list(tests)}
 use_git_change_detection = false
 timeout_multiplier = {TIMEOUT_MULTIPLIER}
-""")
+""" + (f'process_isolation = "{spec["isolation"]}"\n' if "isolation" in spec else "")
+      + (f"timeout_constant = {float(spec['timeout_constant'])}\n" if "timeout_constant" in spec else ""))
     return modules, tests
 
 

@@ -134,3 +134,28 @@ def test_fresh_runner_reads_pytests_exit_status(tmp_path, monkeypatch):
     assert run(tmp_path, env, "crash", ["test_m.py"], 60) == "segfault"
     assert run(tmp_path, env, "hang", ["test_m.py"], 3) == "timeout"
     assert run(tmp_path, env, "good", ["no_such_test.py"], 60).startswith("other (pytest exit")
+
+
+def test_a_group_can_ask_for_the_fork_server_and_a_longer_timeout_constant(tmp_path, monkeypatch):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "a.py").write_text("")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_a.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    monkeypatch.setitem(mutation.GROUPS, "g", {"mutate": ["m/*.py"], "tests": ["tests/test_*.py"],
+                                              "isolation": "forkserver", "timeout_constant": 10})
+    mutation.configure(tmp_path, "g")
+    section = (tmp_path / "pyproject.toml").read_text().split("[tool.mutmut]")[1]
+    assert 'process_isolation = "forkserver"\n' in section and "timeout_constant = 10.0\n" in section
+    assert mutation.GROUPS["transfer.mooncake"]["isolation"] == "forkserver"  # its client hangs in a plain fork
+
+
+def test_a_group_without_those_keys_keeps_mutmuts_defaults(tmp_path):
+    (tmp_path / "hashing").mkdir()
+    (tmp_path / "hashing" / "chain.py").write_text("")
+    (tmp_path / "tests" / "hashing").mkdir(parents=True)
+    (tmp_path / "tests" / "hashing" / "test_chain.py").write_text("")
+    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    mutation.configure(tmp_path, "hashing")
+    section = (tmp_path / "pyproject.toml").read_text().split("[tool.mutmut]")[1]
+    assert "process_isolation" not in section and "timeout_constant" not in section
