@@ -37,10 +37,11 @@ def test_every_byte_is_the_documented_hash(dtype, mla, heads):
 
 def test_positions_of_any_integer_dtype_give_the_same_bytes():
     pool = KVPool(2, 2, 8, torch.bfloat16, 16)
-    pos = torch.tensor([5, 1 << 20, (1 << 31) - 1])
-    want = synthetic_kv(pool, 9, pos).view(torch.uint8)
-    for dtype in (torch.int32, torch.int64):
-        assert torch.equal(synthetic_kv(pool, 9, pos.to(dtype)).view(torch.uint8), want)
+    for pos, dtypes in ((torch.tensor([5, 1 << 20, (1 << 31) - 1]), (torch.int32,)),
+                        (torch.tensor([5, 200, 255]), (torch.uint8, torch.int16, torch.int32))):
+        want = synthetic_kv(pool, 9, pos).view(torch.uint8)
+        for dtype in dtypes:   # (p * 7_919 overflows 16 bits: the pattern is computed in 64)
+            assert torch.equal(synthetic_kv(pool, 9, pos.to(dtype)).view(torch.uint8), want)
 
 
 def test_requests_and_positions_give_different_bytes_and_the_same_inputs_the_same_bytes():
