@@ -265,3 +265,19 @@ def test_cuda_stack_puts_the_kv_and_req_to_token_pools_on_the_gpu():
     assert s.kv_pool.buffer.is_cuda and s.req_to_token_pool.req_to_token.is_cuda
     assert not s.host_pool.buffer.is_cuda
     s.close()
+
+
+def test_a_stuck_prefix_load_alone_makes_the_close_unclean():
+    tier = Tier("_m_0_1")
+    s = stack_on(tier)
+    tokens = list(range(1, 5))
+    keys = hashing.page_hashes(tokens, 4)
+    assert tier.batch_set(keys, [s.host_pool.page_bytes(0)]) == [True]
+    tier.hold_reads = True
+    assert s.prefix_loader.start(9, tokens) == 1
+    try:
+        report = s.close(timeout=0.05)
+    finally:
+        tier.gate.set()
+    assert report.clean is False and report.abandoned_writes == [] and report.abandoned_pages == []
+    assert report.reason == "prefix loads still running after 0.05s (their device slots and host pages stay held)"
