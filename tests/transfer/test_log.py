@@ -127,11 +127,8 @@ def test_a_filtering_wrapper_level_is_inclusive(structlog_restored):
     assert log.is_enabled_for(logging.WARNING) and not log.is_enabled_for(logging.INFO)
 
 
-class _ErrorsOnly(structlog.BoundLoggerBase):
-    """A custom wrapper class (not one of structlog's filtering ones) with its own level test."""
-
-    def is_enabled_for(self, level):
-        return level >= logging.ERROR
+class _NoLevelTest(structlog.BoundLoggerBase):
+    """A custom wrapper class (not one of structlog's filtering ones) without a level test."""
 
     def warning(self, event, **kw):
         return self._proxy_to_logger("warning", event, **kw)
@@ -140,8 +137,11 @@ class _ErrorsOnly(structlog.BoundLoggerBase):
         return self._proxy_to_logger("error", event, **kw)
 
 
-class _NoLevelTest(_ErrorsOnly):
-    is_enabled_for = None
+class _ErrorsOnly(_NoLevelTest):
+    """A custom wrapper class with its own level test."""
+
+    def is_enabled_for(self, level):
+        return level >= logging.ERROR
 
 
 def test_a_custom_wrapper_decides_by_its_is_enabled_for(structlog_restored):
