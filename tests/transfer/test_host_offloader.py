@@ -248,6 +248,7 @@ def test_expire_reports_the_copies_once_and_poisons_their_pages():
 from structlog.testing import capture_logs  # noqa: E402
 
 from lifecycle_tools.testkit.sync_trap import as_device_resident  # noqa: E402
+from transfer.errors import StorageError as StorageErrorT  # noqa: E402
 from transfer.gather import ChunkCopy  # noqa: E402
 from transfer.kv_events.announcer import HostAnnouncer, TierAnnouncer  # noqa: E402
 
@@ -615,9 +616,6 @@ def test_refused_store_of_poisoned_pages_is_logged_and_reported():
     assert failed["error"] == repr(StorageErrorT("source host pages hold a failed or expired copy"))
     off.free_host(h)
     off.close()
-
-
-from transfer.errors import StorageError as StorageErrorT  # noqa: E402
 
 
 def test_observer_times_storage_writes_without_a_tier_hook():

@@ -57,9 +57,8 @@ import threading  # noqa: E402
 import time  # noqa: E402
 
 import hashing  # noqa: E402
-from structlog.testing import capture_logs  # noqa: E402
 
-from transfer import CpuCopyEngine, PageSizeMismatch, synthetic_kv  # noqa: E402
+from transfer import CpuCopyEngine, PageSizeMismatch  # noqa: E402
 from transfer.gather import ChunkCopy  # noqa: E402
 from transfer.storage.identity import DeploymentIdentity  # noqa: E402
 from tests.support.transfer_helpers import drain  # noqa: E402
