@@ -55,7 +55,8 @@ GROUPS: dict[str, dict] = {
                   "tests/transfer/test_faults.py", "tests/transfer/test_stack.py",
                   "tests/transfer/test_end_to_end.py", "tests/transfer/test_gather*.py",
                   "tests/transfer/test_worker*.py", "tests/transfer/test_shutdown*.py",
-                  "tests/transfer/test_device_indices.py"],
+                  "tests/transfer/test_device_indices.py", "tests/transfer/test_kv_pattern.py",
+                  "tests/transfer/test_log.py"],
     },
     "transfer.storage": {
         "mutate": ["transfer/storage/*.py", "transfer/checksum.py", "transfer/prefix.py"],

@@ -226,3 +226,29 @@ def test_a_cuda_launch_failing_half_way_keeps_what_it_built_alive_until_the_even
     del go
     gc.collect()
     assert made[0]() is None
+
+
+def test_cpu_engine_to_device_reports_its_tag_and_checks_the_slots_when_asked():
+    from transfer import BadIndices
+
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16, pin=False)
+    eng = CpuCopyEngine(threads=1)
+    eng.to_device("good", kv, host, torch.arange(8, 12), torch.tensor([1]), check_end=kv.slots)
+    eng.to_device("bad", kv, host, torch.arange(9, 13), torch.tensor([1]), check_end=kv.slots)
+    done = {d.tag: d for d in drain(eng.poll, 2)}
+    assert set(done) == {"good", "bad"}
+    assert done["good"].error is None and isinstance(done["bad"].error, BadIndices)
+    eng.close()
+
+
+def test_make_copy_engine_for_the_cpu_defaults_to_two_threads():
+    import threading
+
+    from transfer import make_copy_engine
+
+    before = set(threading.enumerate())
+    eng = make_copy_engine("cpu")
+    new = [t for t in threading.enumerate() if t not in before]
+    assert isinstance(eng, CpuCopyEngine) and len(new) == 2
+    eng.close()

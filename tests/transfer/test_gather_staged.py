@@ -98,3 +98,81 @@ def test_on_cuda_the_verdict_is_pinned_and_read_after_its_event():
     assert verdict.is_pinned() and verdict.device.type == "cpu" and event is not None
     event.synchronize()
     assert ids_verdict(verdict) == dict(negative=1, out_of_range=1, repeated=1, min=-1, max=500, repeated_id=8)
+
+
+# --- edges: the first and last whole page of the pool, slot id 0, verdict types ----------------
+
+
+@pytest.mark.parametrize("dev_page", [0, 15], ids=["first-page", "last-page"])
+def test_the_first_and_last_page_inside_check_end_are_good_and_copied_exactly(dev_page):
+    kv, host = pools()
+    end = 64                                          # whole pages 0..15
+    slots = torch.arange(dev_page * PS, (dev_page + 1) * PS)
+    plan = ChunkCopy(kv, host, slots, torch.tensor([6]), check_end=end, staging=Staging("cpu"))
+    plan.to_host()
+    assert plan.landed_error() is None
+    assert torch.equal(host.page_view(6).contiguous().view(torch.uint8), page_bytes(kv, slots))
+    back = ChunkCopy(kv, host, torch.arange(20, 24), torch.tensor([6]), check_end=end, staging=Staging("cpu"))
+    back.to_device()
+    assert back.landed_error() is None
+    assert torch.equal(kv.read(torch.arange(20, 24)).view(torch.uint8), kv.read(slots).view(torch.uint8))
+
+
+def test_a_bad_chunk_reports_the_pool_range_in_its_error():
+    kv, host = pools()
+    plan = ChunkCopy(kv, host, torch.arange(64, 68), torch.tensor([0]), check_end=64, staging=Staging("cpu"))
+    plan.to_host()
+    err = plan.landed_error()
+    assert isinstance(err, BadIndices)
+    assert str(err) == ("device indices are not whole, page-aligned pages inside 0..63: "
+                        "the copy moved nothing worth keeping")
+
+
+def test_row_word_is_the_widest_integer_dividing_the_row():
+    from transfer.gather import row_word
+
+    assert [row_word(n) for n in (16, 12, 6, 3)] == [torch.int64, torch.int32, torch.int16, torch.uint8]
+    buf = torch.zeros(64, dtype=torch.uint8)
+    assert row_word(16, buf[2:]) is torch.int16        # a buffer starting 2 bytes past alignment
+
+
+def test_odd_row_widths_round_trip_bit_exact():
+    # rows of 12 bytes (int32 words) and 6 bytes (int16 words)
+    for heads, dim in ((1, 6), (3, 1)):
+        kv = KVPool(2, heads, dim, torch.bfloat16, 32)
+        kv.write(torch.arange(32), synthetic_kv(kv, 3, torch.arange(32)))
+        host = HostPool(2, heads, dim, torch.bfloat16, PS, 16, pin=False)
+        slots = torch.arange(8, 16)
+        ChunkCopy(kv, host, slots, torch.tensor([1, 2])).to_host()
+        for i, p in enumerate((1, 2)):
+            assert torch.equal(host.page_view(p).contiguous().view(torch.uint8), page_bytes(kv, slots[i * PS:(i + 1) * PS]))
+
+
+def test_page_runs_are_plain_ints():
+    from transfer.gather import page_runs
+
+    for pages in (torch.tensor([3, 4, 9, 10, 11, 2]), [3, 4, 9, 10, 11, 2]):
+        runs = page_runs(pages)
+        assert runs == [(0, 3, 2), (2, 9, 3), (5, 2, 1)]
+        assert all(type(x) is int for run in runs for x in run)
+
+
+def test_staging_lives_on_its_device():
+    s = Staging("meta")
+    assert s.device == torch.device("meta")
+    buf = s.take(3, 5, torch.int32)
+    assert buf.device.type == "meta" and buf.shape == (3, 5) and buf.dtype == torch.int32
+
+
+@pytest.mark.parametrize("ids, want", [
+    ([0, 4, 8], None),                                           # slot 0 is a good id
+    ([0, 0], dict(negative=0, out_of_range=0, repeated=1, min=0, max=0, repeated_id=0)),
+    ([-5], dict(negative=1, out_of_range=0, repeated=0, min=-5, max=-5, repeated_id=-1)),
+], ids=["zero", "zero-repeated", "one-negative"])
+def test_device_id_edges(ids, want):
+    verdict, event = check_ids_on_device(torch.tensor(ids, dtype=torch.int64), 66)
+    assert verdict.dtype == torch.int64
+    got = ids_verdict(verdict)
+    assert got == want
+    if got is not None:
+        assert all(type(v) is int for v in got.values())

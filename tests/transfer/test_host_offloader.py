@@ -242,3 +242,472 @@ def test_expire_reports_the_copies_once_and_poisons_their_pages():
     assert store.batch_exists(["0" * 64]) == 0 and off.stats().copies_discarded == 1
     off.free_host(h)
     off.close()
+
+
+# -- contract details: error messages, log events, hooks, counters ----------------------------
+from structlog.testing import capture_logs  # noqa: E402
+
+from lifecycle_tools.testkit.sync_trap import as_device_resident  # noqa: E402
+from transfer.errors import StorageError as StorageErrorT  # noqa: E402
+from transfer.gather import ChunkCopy  # noqa: E402
+from transfer.kv_events.announcer import HostAnnouncer, TierAnnouncer  # noqa: E402
+
+
+class FakeClock:
+    def __init__(self, t=100.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+class Gated(CpuCopyEngine):
+    """A real CPU engine whose copies for tags in ``hold`` wait on ``gate`` and for tags in
+    ``fail`` raise (after the gate)."""
+
+    def __init__(self, threads=1):
+        super().__init__(threads)
+        self.gate, self.hold, self.fail, self.started = threading.Event(), set(), set(), set()
+
+    def to_host(self, tag, kv, host, slots, host_pages):
+        plan, hold, fail = ChunkCopy(kv, host, slots, host_pages), tag in self.hold, tag in self.fail
+
+        def job():
+            self.started.add(tag)
+            if hold and not self.gate.wait(10):
+                raise TimeoutError("test gate never opened")
+            if fail:
+                raise RuntimeError(f"injected copy failure {tag}")
+            return plan.to_host()
+
+        self.submit(tag, job)
+
+
+class Publisher:
+    """Records the KV events the announcers publish."""
+
+    def __init__(self):
+        self.events = []
+
+    def stored(self, medium, hashes, tokens, block_size, parent):
+        self.events.append(("stored", medium, list(hashes), list(tokens), block_size, parent))
+
+    def removed(self, medium, hashes):
+        self.events.append(("removed", medium, list(hashes)))
+
+
+class Observer:
+    def __init__(self):
+        self.copies, self.storage = [], []
+
+    def copy_seconds(self, s):
+        self.copies.append(s)
+
+    def storage_seconds(self, op, s):
+        self.storage.append((op, s))
+
+
+def landed(off, ack, n_slots=8, first=8):
+    h = off.write(torch.arange(first, first + n_slots), ack)
+    assert drain(off.finished_writes, 1) == [ack]
+    return h
+
+
+def events(logs, name):
+    return [e for e in logs if e["event"] == name]
+
+
+def test_argument_errors_name_the_argument_and_the_problem():
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
+    with pytest.raises(ValueError, match=r"write_timeout_s must be > 0 or None, got 0"):
+        HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), write_timeout_s=0)
+    off, kv, host, _ = make()
+    with pytest.raises(BadIndices, match=r"^a write needs at least one page$"):
+        off.write(torch.arange(0), 1)
+    with pytest.raises(BadIndices, match=r"^device indices: 3 slots is not a whole number of pages of 4$"):
+        off.write(torch.arange(3), 1)
+    with pytest.raises(BadIndices, match=r"^device indices must have an integer dtype"):
+        off.write(torch.arange(4.0), 1)
+    with pytest.raises(BadIndices, match=r"^device indices: 6 slots is not a whole number of pages of 4$"):
+        off.write(as_device_resident(torch.arange(6)), 1)   # slot ids on a device: shape checked here
+    h = off.write(torch.arange(8, 12), 1)
+    with pytest.raises(UnknownId, match=r"ack id 1 is already pending"):
+        off.write(torch.arange(12, 16), 1)
+    with pytest.raises(TransferError, match=r"^write_storage of host pages whose copy has not landed$"):
+        off.write_storage(h, [1, 2, 3, 4], ["k"])
+    with pytest.raises(HostPagesBusy, match=r"^host pages are still used by an in-flight copy or storage op$"):
+        off.free_host(h)
+    with pytest.raises(UnknownId, match=r"ack id 7 is not a copy in flight"):
+        off.discard_write(7)
+    drain(off.finished_writes, 1)
+    with pytest.raises(BadIndices, match=r"^1 host pages, 2 hashes, 3 tokens \(page size 4\)$"):
+        off.write_storage(h, [1, 2, 3], ["a", "b"])
+    for bad in ([""], [123]):
+        with pytest.raises(BadIndices, match=r"^page hashes must be non-empty strings$"):
+            off.write_storage(h, [1, 2, 3, 4], bad)
+    with pytest.raises(NotAllocated, match=r"^host pages passed to write_storage are not allocated$"):
+        off.write_storage(torch.arange(28, 32), [1, 2, 3, 4], ["x"])
+    assert off.stats().storage_ops == 0 and host.available_size() == 28
+    off.free_host(h)
+    off.close()
+
+
+def test_after_close_the_offloader_itself_refuses_new_work():
+    off, kv, host, _ = make()
+    h = landed(off, 1, 4)
+    off.close()
+    with pytest.raises(Closed, match=r"^offloader is closed$"):
+        off.write(torch.arange(12, 16), 2)
+    with pytest.raises(Closed, match=r"^offloader is closed$"):
+        off.write_storage(h, [1, 2, 3, 4], ["k"])
+    assert host.available_size() == 28 and off.stats().writes == 1
+    off.free_host(h)
+
+
+def test_zero_backpressure_interval_warns_on_every_rejection_and_recovery_is_logged_once():
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 8)
+    off = HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), backpressure_log_interval_s=0)
+    with capture_logs() as logs:
+        h = off.write(torch.arange(8, 12), 1)            # 1 page: 1 page left
+        assert off.write(torch.arange(16, 24), 2) is None
+        assert off.write(torch.arange(16, 24), 3) is None
+        h2 = off.write(torch.arange(24, 28), 4)          # recovered: logged once
+        drain(off.finished_writes, 2)
+        off.free_host(h2)
+        h2 = off.write(torch.arange(24, 28), 5)          # no rejection since: nothing logged
+        drain(off.finished_writes, 1)
+    warned = events(logs, "offloader.host_exhausted")
+    assert [{k: e[k] for k in ("ack_id", "pages", "rejected", "rejected_total", "host_free_pages",
+                               "next_warning_after_s")} for e in warned] == [
+        dict(ack_id=2, pages=2, rejected=1, rejected_total=1, host_free_pages=1, next_warning_after_s=0),
+        dict(ack_id=3, pages=2, rejected=1, rejected_total=2, host_free_pages=1, next_warning_after_s=0),
+    ]
+    assert all(type(e["host_free_pages"]) is int for e in warned)
+    assert [(e["log_level"], e["rejected"]) for e in events(logs, "offloader.host_recovered")] == [("info", 2)]
+    st = off.stats()
+    assert st.host_free_pages == 0 and type(off.stats().host_free_pages) is int
+    off.free_host(h)
+    off.free_host(h2)
+    assert off.stats().host_free_pages == 2
+    off.close()
+
+
+def test_idle_is_false_while_a_copy_is_unreported():
+    off, *_ = make()
+    h = off.write(torch.arange(8, 12), 1)
+    assert not off.idle()
+    drain(off.finished_writes, 1)
+    assert off.idle()
+    off.free_host(h)
+    off.close()
+
+
+def test_observer_times_each_copy_from_write_to_its_report():
+    import time
+
+    off, *_ = make(engine=CpuCopyEngine(threads=1))
+    h1 = off.write(torch.arange(8, 12), 1)          # written before the observer was attached
+    obs = off.observer = Observer()
+    t0 = time.perf_counter()
+    h2 = off.write(torch.arange(12, 16), 2)
+    off.close()                                     # both copies have run: one poll reports both
+    assert sorted(off.finished_writes()) == [1, 2]
+    elapsed = time.perf_counter() - t0
+    assert len(obs.copies) == 1                     # ack 1 was not timed
+    assert isinstance(obs.copies[0], float) and 0 <= obs.copies[0] <= elapsed
+    off.free_host(h1)
+    off.free_host(h2)
+
+
+def test_discarded_copy_does_not_taint_other_copies_and_counts_once():
+    off, kv, host, store = make()
+    with capture_logs() as logs:
+        h1 = off.write(torch.arange(8, 16), 1)
+        h2 = off.write(torch.arange(16, 20), 2)
+        h3 = off.write(torch.arange(20, 24), 3)
+        off.discard_write(1)
+        off.discard_write(1)                        # a second call changes nothing
+        off.discard_write(3)
+        assert sorted(drain(off.finished_writes, 3)) == [1, 2, 3]
+    assert sorted(off.failed_writes()) == [1, 3]
+    assert off.stats().copies_discarded == 2 and off.stats().copy_expired == 0
+    assert [{k: e[k] for k in ("log_level", "ack_id", "pages")} for e in events(logs, "offloader.copy_discarded")] \
+        == [dict(log_level="warning", ack_id=1, pages=2), dict(log_level="warning", ack_id=3, pages=1)]
+    assert off.expired_writes() == []               # ended before being listed: never listed
+    # the ack ids can be used again: the new copies are good ones
+    for ack, first in ((1, 24), (3, 28)):
+        h = off.write(torch.arange(first, first + 4), ack)
+        assert drain(off.finished_writes, 1) == [ack]
+        assert off.failed_writes() == []
+        off.free_host(h)
+    for h in (h1, h2, h3):
+        off.free_host(h)
+    off.close()
+
+
+def test_expired_copies_are_counted_logged_and_their_ack_ids_reusable():
+    clock = FakeClock()
+    eng = Gated(threads=1)
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
+    off = HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), copy_engine=eng,
+                        write_timeout_s=5.0, clock=clock)
+    eng.hold |= {1, 2}
+    eng.fail.add(2)
+    with capture_logs() as logs:
+        h1 = off.write(torch.arange(8, 16), 1)
+        h2 = off.write(torch.arange(16, 20), 2)
+        clock.t += 2.0
+        h3 = off.write(torch.arange(20, 24), 3)     # deadline later than the others
+        clock.t += 3.0
+        assert off.expired_writes() == [1, 2]
+        eng.gate.set()
+        assert drain(off.finished_writes, 3) == [1, 2, 3]
+    assert off.failed_writes() == [1, 2]
+    assert off.stats().copy_expired == 2 and off.stats().copy_failures == 1
+    exp = events(logs, "offloader.copy_expired")
+    assert [(e["log_level"], e["ack_id"], e["timeout_s"], e["pages"]) for e in exp] == [("error", 1, 5.0, 2)]
+    (failed,) = events(logs, "offloader.copy_failed")
+    assert failed["ack_id"] == 2 and failed["expired"] is True and "injected copy failure 2" in failed["error"]
+    # the expired ack ids are free again: a new copy under the same id is a good one
+    h = off.write(torch.arange(24, 28), 1)
+    assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == []
+    assert off.expire([1]) == []          # already reported: not in flight
+    for x in (h, h1, h2, h3):
+        off.free_host(x)
+    off.close()
+
+
+def test_copy_failures_are_counted_and_logged_as_not_expired():
+    eng = Gated(threads=1)
+    eng.fail |= {1, 2}
+    off, *_ = make(engine=eng)
+    with capture_logs() as logs:
+        h1 = off.write(torch.arange(8, 12), 1)
+        h2 = off.write(torch.arange(12, 16), 2)
+        assert sorted(drain(off.finished_writes, 2)) == [1, 2]
+    assert off.stats().copy_failures == 2
+    (first,) = events(logs, "offloader.copy_failed")          # the second is rate limited
+    assert first["expired"] is False and first["log_level"] == "error"
+    off.free_host(h1)
+    off.free_host(h2)
+    off.close()
+
+
+class GatedStorage(MemoryStorage):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def batch_set(self, keys, pages):
+        if not self.gate.wait(10):
+            raise TimeoutError("test gate never opened")
+        return super().batch_set(keys, pages)
+
+
+def test_a_page_stays_busy_until_every_storage_op_reading_it_is_reported():
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
+    store = GatedStorage("_m_0_1", host.page_nbytes)
+    off = HostOffloader(kv, host, store, storage_threads=1)
+    h = landed(off, 1, 4)
+    tokens = [1, 2, 3, 4]
+    ops = [off.write_storage(h, tokens, hashing.page_hashes(tokens, PS)) for _ in range(3)]
+    assert off.stats().storage_ops == 3 and off.stats().in_flight_storage == 3
+    store.gate.set()
+    got = []
+    while len(got) < 3:
+        got += drain(off.finished_storage, 1)
+        if len(got) < 3:
+            with pytest.raises(HostPagesBusy):
+                off.free_host(h)
+    assert sorted(got) == ops and off.stats().storage_ok == 3
+    off.free_host(h)
+    off.close()
+
+
+def test_storage_failures_are_counted_logged_and_summarised_when_storage_recovers(monkeypatch):
+    off, kv, host, store = make()
+    h = landed(off, 1, 4)
+    tokens = [1, 2, 3, 4]
+    keys = hashing.page_hashes(tokens, PS)
+    real = store.batch_set
+    outcome = ["false"]
+
+    def flaky(k, p):
+        if outcome[0] == "false":
+            return [False] * len(k)
+        if outcome[0] == "raise":
+            raise OSError(errno.EIO, "injected EIO")
+        return real(k, p)
+
+    monkeypatch.setattr(store, "batch_set", flaky)
+    with capture_logs() as logs:
+        op1 = off.write_storage(h, tokens, keys)
+        assert drain(off.finished_storage, 1) == [op1]
+        outcome[0] = "raise"
+        op2 = off.write_storage(h, tokens, keys)
+        assert drain(off.finished_storage, 1) == [op2]
+        n_before = len(events(logs, "offloader.storage_failed"))
+        outcome[0] = "ok"
+        op3 = off.write_storage(h, tokens, keys)
+        assert drain(off.finished_storage, 1) == [op3]
+    assert off.failed_storage() == [op1, op2]
+    st = off.stats()
+    assert (st.storage_failed, st.storage_ok, st.pages_stored) == (2, 1, 1)
+    lines = events(logs, "offloader.storage_failed")
+    assert n_before == 1 and len(lines) == 2
+    assert {k: lines[0][k] for k in ("log_level", "op_id", "error")} == dict(
+        log_level="warning", op_id=op1, error="page write failed")
+    # the success flushed the summary of the suppressed failure, with its own fields
+    assert lines[1]["summary"] is True and lines[1]["suppressed"] == 1 and lines[1]["op_id"] == op2
+    assert lines[1]["error"] == repr(OSError(errno.EIO, "injected EIO"))
+    off.free_host(h)
+    off.close()
+
+
+def test_a_storage_recovery_summarises_storage_failures_only_and_close_summarises_the_rest(monkeypatch):
+    eng = Gated(threads=1)
+    off, kv, host, store = make(engine=eng)
+    h = landed(off, 1, 4)
+    tokens = [1, 2, 3, 4]
+    keys = hashing.page_hashes(tokens, PS)
+    fail = [True]
+    real = store.batch_set
+    monkeypatch.setattr(store, "batch_set", lambda k, p: [False] * len(k) if fail[0] else real(k, p))
+
+    def store_once(failing):
+        fail[0] = failing
+        op = off.write_storage(h, tokens, keys)
+        assert drain(off.finished_storage, 1) == [op]
+
+    with capture_logs() as logs:
+        store_once(True)
+        store_once(False)            # the storage outage is over (nothing was suppressed)
+        eng.fail |= {2, 3}
+        for ack in (2, 3):           # two failed copies: the second is suppressed
+            x = off.write(torch.arange(12, 16), ack)
+            assert drain(off.finished_writes, 1) == [ack]
+            off.free_host(x)
+        store_once(False)            # storage was not failing: its success summarises nothing
+        assert [e.get("summary", False) for e in events(logs, "offloader.copy_failed")] == [False]
+        off.free_host(h)
+        off.close()                  # closing writes the summary of what is left
+    copy_lines = events(logs, "offloader.copy_failed")
+    assert [(e.get("summary", False), e["ack_id"]) for e in copy_lines] == [(False, 2), (True, 3)]
+    assert copy_lines[-1]["suppressed"] == 1
+    assert [e.get("summary", False) for e in events(logs, "offloader.storage_failed")] == [False]
+
+
+def test_refused_store_of_poisoned_pages_is_logged_and_reported():
+    eng = Gated(threads=1)
+    eng.fail.add(1)
+    off, kv, host, store = make(engine=eng)
+    h = landed(off, 1, 4)
+    with capture_logs() as logs:
+        op = off.write_storage(h, [1, 2, 3, 4], ["0" * 64])
+        assert drain(off.finished_storage, 1) == [op]
+    (refused,) = events(logs, "offloader.store_refused")
+    assert refused["op_id"] == op and refused["reason"] == "host pages hold a failed or expired copy"
+    (failed,) = events(logs, "offloader.storage_failed")
+    assert failed["op_id"] == op
+    assert failed["error"] == repr(StorageErrorT("source host pages hold a failed or expired copy"))
+    off.free_host(h)
+    off.close()
+
+
+def test_observer_times_storage_writes_without_a_tier_hook():
+    import time
+
+    off, kv, host, store = make()
+    h = landed(off, 1, 8)
+    obs = off.observer = Observer()
+    tokens = list(range(8))
+    keys = hashing.page_hashes(tokens, PS)
+    t0 = time.perf_counter()
+    op = off.write_storage(h, tokens, keys)
+    assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == []
+    elapsed = time.perf_counter() - t0
+    assert store.batch_exists(keys) == 2
+    assert len(obs.storage) == 1 and obs.storage[0][0] == "set" and 0 <= obs.storage[0][1] <= elapsed
+    off.free_host(h)
+    off.close()
+
+
+@pytest.mark.parametrize("observed", [False, True])
+def test_storage_tier_hook_gets_the_tokens_and_parent_of_each_page(observed):
+    off, kv, host, store = make()
+    kv.write(torch.arange(8, 16), synthetic_kv(kv, 5, torch.arange(8)))
+    h = landed(off, 1, 8)
+    pub = Publisher()
+    store.events = TierAnnouncer(pub, "EXT", PS)
+    if observed:
+        off.observer = Observer()
+    tokens = list(range(10, 18))
+    keys = hashing.page_hashes(tokens, PS)
+    op = off.write_storage(h, tokens, keys, parent_hash="p" * 64)
+    assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == []
+    assert pub.events == [("stored", "EXT", [keys[0]], tokens[:4], PS, "p" * 64),
+                          ("stored", "EXT", [keys[1]], tokens[4:], PS, keys[0])]
+    # the stored bytes are the host pages
+    into = [torch.empty(host.page_nbytes, dtype=torch.uint8) for _ in keys]
+    assert store.batch_get(keys, into) == [True, True]
+    for buf, p in zip(into, host.page_ids(h).tolist()):
+        assert torch.equal(buf, host.page_bytes(p))
+    if observed:
+        assert [op for op, _ in off.observer.storage] == ["set"]
+    off.free_host(h)
+    off.close()
+
+
+def test_host_events_announce_pages_handed_to_storage_and_remove_them_when_freed():
+    off, kv, host, store = make()
+    pub = Publisher()
+    off.events = HostAnnouncer(pub, PS)
+    h = landed(off, 1, 8)
+    other = off.write(torch.arange(16, 20), 2)
+    drain(off.finished_writes, 1)
+    tokens = list(range(8))
+    keys = hashing.page_hashes(tokens, PS)
+    op = off.write_storage(h, tokens, keys, parent_hash="q" * 64)
+    assert drain(off.finished_storage, 1) == [op]
+    assert pub.events == [("stored", "CPU_PINNED", keys, tokens, PS, "q" * 64)]
+    off.free_host(other)                          # never handed to storage: nothing to remove
+    assert len(pub.events) == 1
+    off.free_host(h)
+    assert pub.events[1:] == [("removed", "CPU_PINNED", keys)]
+    off.close()
+
+
+def test_close_without_a_bound_waits_for_everything():
+    off, *_ = make()
+    h = off.write(torch.arange(8, 12), 1)
+    report = off.close(timeout=None)
+    assert report.clean and report.timeout is None
+    assert drain(off.finished_writes, 1) == [1]
+    off.free_host(h)
+
+
+def test_close_with_a_stuck_copy_returns_at_its_timeout_and_logs_what_it_left():
+    import time
+
+    eng = Gated(threads=1)
+    eng.hold.add(1)
+    off, kv, host, store = make(engine=eng)
+    h = off.write(torch.arange(8, 16), 1)
+    drain(lambda: [1] if 1 in eng.started else [], 1)
+    with capture_logs() as logs:
+        t0 = time.monotonic()
+        report = off.close(timeout=0)
+        took = time.monotonic() - t0
+    assert took < 0.9          # a zero timeout does not wait (a 1 s floor would)
+    assert not report.clean and report.abandoned_writes == [1]
+    (ev,) = events(logs, "offloader.close_timed_out")
+    want = dict(timeout=0, in_flight_writes=1, in_flight_storage=0, abandoned_writes=[1],
+                host_pages=report.host_pages, device_slots=8, reason=report.reason)
+    assert {k: ev[k] for k in want} == want and len(report.host_pages) == 2
+    eng.gate.set()
+    assert drain(off.finished_writes, 1) == [1]
+    off.free_host(h)

@@ -190,3 +190,34 @@ def test_stack_close_is_bounded_through_a_file_write_hung_in_the_filesystem(tmp_
     assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
     off.free_host(h)
     stack.host_pool.check_integrity()
+
+
+# -- close_storage: a tier's close with or without a timeout, whatever it returns -------------
+from transfer.shutdown import close_storage  # noqa: E402
+
+
+def test_close_storage_passes_the_timeout_only_to_a_close_that_takes_one():
+    calls = []
+
+    class Old:                                   # an older custom tier: close() takes nothing
+        def close(self):
+            calls.append("old")
+
+    class New:
+        def close(self, timeout=None):
+            calls.append(("new", timeout))
+            return {"b", "a"}
+
+    class NoSignature:                           # a close whose signature cannot be read
+        __signature__ = 5
+
+        def __call__(self):
+            calls.append("opaque")
+            return None
+
+    opaque = Old()
+    opaque.close = NoSignature()
+    assert close_storage(Old(), 1.5) == []
+    assert close_storage(New(), 1.5) == ["a", "b"]
+    assert close_storage(opaque, 1.5) == []
+    assert calls == ["old", ("new", 1.5), "opaque"]
