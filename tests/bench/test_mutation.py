@@ -159,3 +159,36 @@ def test_a_group_without_those_keys_keeps_mutmuts_defaults(tmp_path):
     mutation.configure(tmp_path, "hashing")
     section = (tmp_path / "pyproject.toml").read_text().split("[tool.mutmut]")[1]
     assert "process_isolation" not in section and "timeout_constant" not in section
+
+
+def test_tests_run_cheapest_file_first_and_cheapest_test_first_within_a_file():
+    from bench.mutation_order import cheapest_first
+
+    ids = ["a.py::slow", "b.py::x", "a.py::fast", "c.py::unmeasured", "b.py::y", "a.py::mid"]
+    d = {"a.py::slow": 5.0, "a.py::fast": 0.1, "a.py::mid": 1.0, "b.py::x": 0.3, "b.py::y": 0.2}
+    order = [ids[i] for i in cheapest_first(ids, d)]
+    assert order == ["c.py::unmeasured", "b.py::y", "b.py::x", "a.py::fast", "a.py::mid", "a.py::slow"]
+    assert sorted(cheapest_first(ids, d)) == list(range(len(ids)))  # a permutation: nothing dropped or doubled
+    assert cheapest_first(["t.py::a", "t.py::b"], {}) == [0, 1]    # no durations: order kept
+
+
+def test_the_plugin_reorders_a_real_run_and_leaves_it_alone_without_stats(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "test_t.py").write_text("import pytest\n"
+                                        "@pytest.mark.parametrize('n', ['a', 'b', 'c'])\n"
+                                        "def test_t(n):\n    print('RAN', n)\n")
+    args = [sys.executable, "-m", "pytest", "-p", "bench.mutation_order", "-p", "no:cacheprovider", "-s", "-q",
+            "test_t.py"]
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+
+    def ran() -> list[str]:
+        out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return [line.split()[1] for line in out.stdout.replace("RAN", "\nRAN").splitlines() if line.startswith("RAN")]
+
+    assert ran() == ["a", "b", "c"]
+    (tmp_path / "mutmut-stats.json").write_text(json.dumps({"duration_by_test": {
+        "test_t.py::test_t[a]": 3.0, "test_t.py::test_t[b]": 1.0, "test_t.py::test_t[c]": 2.0}}))
+    assert ran() == ["b", "c", "a"]
