@@ -528,25 +528,3 @@ def test_adapter_delete_removes_nothing_and_close_never_raises():
         failing.close()
     assert logs == [{"event": "sglang.backend_close_failed", "log_level": "warning", "backend": "eic",
                      "error": repr(OSError("close gone"))}]
-
-
-class CountingReader:
-    """A reader store whose own stats already count skipped pages."""
-
-    suffix, page_nbytes = "_s", 64
-
-    def stats(self):
-        from transfer.storage.base import StorageStats
-
-        return StorageStats(skipped=3, hits=1)
-
-
-def test_a_replica_adds_every_skipped_write_to_its_readers_stats():
-    replica = ReplicaStorage(CountingReader())
-    page = torch.zeros(64, dtype=torch.uint8)
-    assert replica.batch_set(KEYS[:2], [page, page]) == [True, True]
-    assert replica.batch_set(KEYS[2:], [page]) == [True]
-    stats = replica.stats()
-    assert (stats.skipped, stats.hits) == (3 + 3, 1)
-    with pytest.raises(PageSizeMismatch):
-        replica.batch_set(KEYS[:1], [torch.zeros(32, dtype=torch.uint8)])
