@@ -89,13 +89,22 @@ def _manager(node, pp_rank=1):
                                            tp_group=None, tree_cache=node.tree)
 
 
-def _decode(node, mgr):
+def _decode(node, mgr) -> int:
+    """Decode two requests to the end and drain; how many scheduler steps (``check_offload_progress``
+    calls) that took."""
+    steps, step = [0], mgr.check_offload_progress
+
+    def counted():
+        steps[0] += 1
+        step()
+
+    mgr.check_offload_progress = counted
     running = [node.admit("a", list(range(10, 23)), 11), node.admit("b", [5] * 9, 6)]
-    steps = 0
     while running:
         running = node.decode_step(mgr, running)
-        steps += 1
-    return steps
+    node.drain(mgr)
+    mgr.check_offload_progress = step
+    return steps[0]
 
 
 RANK = {"tp_rank": "0", "pp_rank": "1"}
@@ -114,7 +123,6 @@ def test_the_hook_refreshes_our_metrics_every_update_s_and_at_shutdown(registry,
     assert registry.get_sample_value("kv_lifecycle_requests_total", {**RANK, "outcome": "released"}) == (
         released if update_s == 0 else 0)
     assert registry.get_sample_value("kv_lifecycle_manager_step_seconds_count", RANK) == steps
-    node.drain(mgr)
     mgr.release_host_resources()  # forces a refresh
     stats = collect(mgr.manager, offloader=mgr.offloader, storage=mgr.storage)
     assert registry.get_sample_value("kv_lifecycle_requests_total", {**RANK, "outcome": "released"}) == 2
