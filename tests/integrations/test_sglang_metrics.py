@@ -54,6 +54,10 @@ def test_without_enable_metrics_nothing_is_hooked():
     ctx.get_observability = lambda: type("O", (), {"enable_metrics": False})()
     assert not sglang_metrics.enabled(ctx)
     assert sglang_metrics.hook(object(), ctx, 0, 0) is None
+    ctx.get_observability = lambda: object()              # an observability without the flag
+    assert not sglang_metrics.enabled(ctx)
+    ctx.get_observability = lambda: type("O", (), {"enable_metrics": True})()
+    assert sglang_metrics.enabled(ctx)
 
 
 # --- in this process: the hook itself ------------------------------------------------------------
@@ -128,6 +132,11 @@ def test_the_hook_refreshes_our_metrics_every_update_s_and_at_shutdown(registry,
     assert registry.get_sample_value("kv_lifecycle_requests_total", {**RANK, "outcome": "released"}) == 2
     assert registry.get_sample_value("kv_lifecycle_pages_offloaded_total", RANK) == stats.manager.pages_enqueued > 0
     assert registry.get_sample_value("kv_lifecycle_copy_seconds_count", RANK) == stats.offloader.writes_landed > 0
+    # the storage tier's own counters and latencies, under its tier name; the offloader's host pool
+    assert registry.get_sample_value("kv_lifecycle_storage_pages_total", {**RANK, "tier": "file", "result": "new"}) \
+        == stats.tiers[0].storage.stored > 0
+    assert registry.get_sample_value("kv_lifecycle_storage_op_seconds_count", {**RANK, "tier": "file", "op": "set"}) > 0
+    assert registry.get_sample_value("kv_lifecycle_host_free_pages", RANK) == stats.offloader.host_free_pages > 0
 
 
 def test_a_step_sums_every_manager_call_until_check_offload_progress(registry):
@@ -139,12 +148,12 @@ def test_a_step_sums_every_manager_call_until_check_offload_progress(registry):
         return registry.get_sample_value("kv_lifecycle_manager_step_seconds_sum", rank) or 0.0
 
     slow = hook.timed(lambda x: (time.sleep(0.05), x)[1])
-    assert slow(7) == 7                      # the wrapped call's result, its time not yet observed
+    assert slow(x=7) == 7                      # the wrapped call's result, its time not yet observed
     assert registry.get_sample_value("kv_lifecycle_manager_step_seconds_count", rank) in (None, 0.0)
     end = hook.timed(lambda: "done", ends_step=True)
     assert end() == "done"
     first = step_sum()
-    assert first >= 0.05
+    assert 0.05 <= first < 0.5                # the first step starts from zero too
     assert registry.get_sample_value("kv_lifecycle_manager_step_seconds_count", rank) == 1
     end()                                    # the next step starts from zero
     assert step_sum() - first < 0.05
@@ -159,7 +168,30 @@ def test_every_manager_of_a_process_shares_one_set_of_metrics(registry):
     a, b = _manager(first, pp_rank=0), _manager(second, pp_rank=1)
     assert a.metrics.metrics is b.metrics.metrics  # registered once on the default registry
     assert a.metrics.labels != b.metrics.labels
+    _decode(first, a)
+    _decode(second, b)
     a.release_host_resources()
     b.release_host_resources()
-    for rank in ({"tp_rank": "0", "pp_rank": "0"}, {"tp_rank": "0", "pp_rank": "1"}):
+    for mgr, rank in ((a, {"tp_rank": "0", "pp_rank": "0"}), (b, {"tp_rank": "0", "pp_rank": "1"})):
         assert registry.get_sample_value("kv_lifecycle_copies_in_flight", rank) == 0
+        # each manager's counts under its own labels, not deltas against the other's
+        assert registry.get_sample_value("kv_lifecycle_requests_total", {**rank, "outcome": "released"}) == 2
+        assert registry.get_sample_value("kv_lifecycle_pages_offloaded_total", rank) == mgr.stats().pages_enqueued
+
+
+def test_tick_refreshes_once_update_s_has_passed_or_when_forced(registry, monkeypatch):
+    node = Node(doubles_kit(), page_size=4)
+    mgr = _manager(node, pp_rank=0)
+    hook, clock, updates = mgr.metrics, [100.0], []
+    monkeypatch.setattr(sglang_metrics, "time", SimpleNamespace(monotonic=lambda: clock[0],
+                                                                perf_counter=time.perf_counter))
+    monkeypatch.setattr(hook.metrics, "update", lambda stats, source=None, labels=None: updates.append(labels))
+    hook.tick()
+    assert len(updates) == 1                  # the first one refreshes
+    for now, expected in ((100.5, 1), (101.0, 2), (101.9, 2), (102.0, 3)):
+        clock[0] = now
+        hook.tick()
+        assert len(updates) == expected, now  # exactly UPDATE_S (1 s) after the last refresh: refreshed
+    hook.tick(force=True)
+    assert updates == [{"tp_rank": "0", "pp_rank": "0"}] * 4
+    mgr.release_host_resources()
