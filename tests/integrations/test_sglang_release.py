@@ -69,6 +69,12 @@ def test_a_request_sglang_frees_itself_is_neither_checked_nor_freed_inside_the_b
     (lambda r: setattr(r, "kv", SimpleNamespace(req_pool_idx=0)), {"row": 0},
      "request 'r1': kv has no mark_kv_released()"),
     (lambda r: setattr(r, "prefix_indices", None), {}, "request 'r1': prefix_indices None has no length"),
+    (lambda r: delattr(r, "prefix_indices"), {}, "request 'r1': prefix_indices None has no length"),
+    (lambda r: delattr(r, "kv"), {"row": 0}, "request 'r1': kv row None is not the row 0"),
+    (lambda r: setattr(r, "kv", SimpleNamespace(mark_kv_released=lambda: None)), {"row": 0},
+     "request 'r1': kv row None is not the row 0"),
+    (lambda r: (delattr(r, "rid"), setattr(r.kv, "req_pool_idx", 2)), {"row": 3},
+     "request None: kv row 2 is not the row 3"),
     (lambda r: setattr(r, "prefix_indices", torch.arange(5)), {},
      "request 'r1': 5 prefix tokens but the tree cache protects only 4"),
     (lambda r: None, {"quarantined": 2}, "request 'r1': 2 slots are quarantined by a stuck copy"),
@@ -102,3 +108,13 @@ def test_a_tree_cache_without_sglangs_seams_is_refused(tree, message):
     with pytest.raises(SGLangConfigError) as err:
         SGLangReleaseSink(tree, d.ReqToTokenPool(4, 16, "cpu", False))
     assert message in str(err.value)
+
+
+def test_inside_another_requests_sglang_release_a_request_is_checked_and_freed_as_usual():
+    sink, tree, pool, req = _setup()
+    other = d.Req("r2", [1])
+    with sink.released_by_sglang(other):
+        with pytest.raises(ReleaseRefused):
+            sink.check(_plan(req, row=req.kv.req_pool_idx + 1))
+        assert sink.free(_plan(req)) is True
+    assert tree.freed == [(req.kv, [(0, 8)])] and req.kv.req_pool_idx is None
