@@ -399,8 +399,12 @@ def test_the_host_pool_view_of_an_mla_pool_and_its_page_helpers():
     assert page.shape == host.buffer[1].shape and page.data_ptr() == host.buffer[1].data_ptr()
     dummy = view.get_dummy_flat_data_page()
     assert dummy.shape == (host.buffer[0].numel(),) and dummy.dtype == host.dtype and not dummy.any()
+    assert type(view.get_ksize_per_token()) is int
     mha = HostPoolView(HostPool(3, 2, 8, torch.bfloat16, 4, 16))
     assert mha.device == "cpu" and mha.get_ksize_per_token() * 2 == mha.get_size_per_token()
+    assert type(mha.get_ksize_per_token()) is int
+    one = HostPoolView(HostPool(3, 2, 8, torch.bfloat16, 4, 4))  # a host pool of one page
+    assert not one.get_dummy_flat_data_page().any() and one.get_dummy_flat_data_page().numel() == 3 * 2 * 8 * 4 * 2
 
 
 class RaisingBackend(TensorInterfaceBackend):
