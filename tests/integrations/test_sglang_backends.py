@@ -253,3 +253,282 @@ def test_an_adapted_backend_without_sglang_is_refused_in_one_line():
     node = Node(doubles_kit(), page_size=4)
     with pytest.raises(SGLangConfigError, match="backend aibrix: goes through SGLang's own StorageBackendFactory"):
         build(node, backend="aibrix")
+
+
+# --- the adapter's contract, call by call ----------------------------------------------------------
+
+import dataclasses  # noqa: E402
+import sys  # noqa: E402
+import types  # noqa: E402
+
+import structlog  # noqa: E402
+
+from lifecycle.integrations.sglang.backends import storage_config  # noqa: E402
+from lifecycle.integrations.sglang.storage import ReplicaStorage, open_storage, plan_storage  # noqa: E402
+from tests.data import sglang_0_5_19  # noqa: E402
+from transfer.errors import InvalidKey, PageSizeMismatch  # noqa: E402
+
+KEYS = ["ab" * 32, "cd" * 32, "ef" * 32]
+
+
+@pytest.fixture
+def hicache_storage_config(monkeypatch):
+    """SGLang's ``HiCacheStorageConfig`` importable: the real one where sglang imports, else the
+    verbatim stand-in of ``tests/data/sglang_0_5_19`` under its module name."""
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    except ImportError:
+        module = types.ModuleType("sglang.srt.mem_cache.hicache_storage")
+        module.HiCacheStorageConfig = HiCacheStorageConfig = sglang_0_5_19.HiCacheStorageConfig
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    return HiCacheStorageConfig
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("extra", [{}, {"backend_name": "b", "interface_v1": 0, "tp_lcm_size": 4}])
+def test_storage_config_is_the_one_sglangs_controller_generates(hicache_storage_config, mla, extra):
+    given = dict(extra)
+    ours = storage_config(tp_rank=1, tp_size=2, pp_rank=2, pp_size=3, mla=mla, model="org/Model-7B", extra=extra)
+    sglang = sglang_0_5_19.storage_config_from_controller(
+        tp_rank=1, tp_size=2, pp_rank=2, pp_size=3, attn_cp_group_rank_size=(0, 1), is_mla=mla,
+        layout="page_first", model_name="org/Model-7B", extra_config=extra)
+    assert isinstance(ours, hicache_storage_config)
+    assert dataclasses.asdict(ours) == dataclasses.asdict(sglang)
+    assert extra == given and ours.extra_config is not extra  # the caller's mapping is left alone
+
+
+class FakeFactory:
+    """SGLang's ``StorageBackendFactory.create_backend`` seam: records its call, builds ``make()``."""
+
+    def __init__(self, make):
+        self.make, self.calls = make, []
+
+    def create_backend(self, name, config, pool):
+        self.calls.append((name, config, pool))
+        return self.make()
+
+
+def _adapted_config(tmp_path, backend="aibrix", strict=False):
+    from lifecycle.integrations.sglang import read_config
+
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path), "KV_LIFECYCLE_REQUIRE_CHECKSUM": "1" if strict else "0"}
+    return read_config(runtime_context(page_size=4, model=MODEL, backend=backend, pp_rank=1, pp_size=2,
+                                       extra_config=json.dumps({"k": "v"})), env)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_adapted_backend_is_built_by_sglangs_factory_over_the_host_pool_view(
+        hicache_storage_config, tmp_path, strict):
+    host = HostPool(3, 2, 8, torch.bfloat16, 4, 16)
+    factory = FakeFactory(TensorInterfaceBackend)
+    store = open_storage(_adapted_config(tmp_path, strict=strict), host, 1, 2, False, factory=factory)
+    (name, config, view), = factory.calls
+    assert name == "aibrix" and isinstance(view, HostPoolView) and view.host is host
+    assert (config.tp_rank, config.tp_size, config.pp_rank, config.pp_size, config.is_mla_model,
+            config.model_name, config.extra_config) == (1, 2, 1, 2, False, MODEL, {"k": "v"})
+    assert isinstance(store, SGLangBackendStorage) and store.backend.registered is view
+    assert (store.name, store.suffix, store.page_nbytes, store.require_checksum) == (
+        "aibrix", sglang_0_5_19.HiCacheFileNames(config).config_suffix, host.page_nbytes, strict)
+    store.close()
+
+
+def test_mla_replicas_of_an_adapted_backend_write_nothing(hicache_storage_config, tmp_path):
+    host = HostPool(3, 1, 8, torch.bfloat16, 4, 16, mla=True)
+    factory = FakeFactory(TensorInterfaceBackend)
+    store = open_storage(_adapted_config(tmp_path), host, 1, 2, True, factory=factory)
+    assert isinstance(store, ReplicaStorage) and isinstance(store.reader, SGLangBackendStorage)
+    assert store.batch_set(KEYS[:1], [host.page_view(0)]) == [True] and store.reader.backend.pages == {}
+    assert factory.calls[0][1].is_mla_model is True
+    owner = open_storage(_adapted_config(tmp_path), host, 0, 2, True, factory=factory)
+    assert isinstance(owner, SGLangBackendStorage)
+
+
+def test_without_sglang_an_adapted_backend_plan_names_the_backend_and_the_import_error():
+    try:
+        import sglang  # noqa: F401
+        pytest.skip("sglang imports here")
+    except ImportError:
+        pass
+    with pytest.raises(SGLangConfigError, match=r"^--hicache-storage-backend eic: goes through SGLang's own "
+                                                r"StorageBackendFactory, and sglang does not import \(No module"):
+        plan_storage(_adapted_config("/nonexistent", backend="eic"), 0, 1, False)
+
+
+def test_a_factory_failure_is_one_config_error_naming_the_backend_and_sglangs_error(hicache_storage_config, tmp_path):
+    host = HostPool(3, 2, 8, torch.bfloat16, 4, 16)
+
+    def boom():
+        raise RuntimeError("no aibrix server")
+
+    with pytest.raises(SGLangConfigError) as err:
+        open_storage(_adapted_config(tmp_path), host, 0, 1, False, factory=FakeFactory(boom))
+    assert str(err.value) == ("--hicache-storage-backend aibrix: SGLang's StorageBackendFactory could not "
+                              "build it: RuntimeError: no aibrix server")
+    assert isinstance(err.value.__cause__, RuntimeError)
+
+    def missing():
+        raise ImportError("No module named 'aibrix_kvcache'")
+
+    with pytest.raises(SGLangConfigError) as err:
+        open_storage(_adapted_config(tmp_path), host, 0, 1, False, factory=FakeFactory(missing))
+    assert str(err.value) == ("--hicache-storage-backend aibrix: SGLang's backend does not import "
+                              "(No module named 'aibrix_kvcache')")
+    assert isinstance(err.value.__cause__, ImportError)
+
+
+def test_a_backend_without_register_mem_pool_host_is_used_as_built(hicache_storage_config, tmp_path):
+    class Plain:
+        def batch_set(self, keys, values):
+            return True
+
+    host = HostPool(3, 2, 8, torch.bfloat16, 4, 16)
+    store = open_storage(_adapted_config(tmp_path), host, 0, 1, False, factory=FakeFactory(Plain))
+    assert isinstance(store.backend, Plain) and store.batch_set(KEYS[:1], [host.page_view(0)]) == [True]
+    store.close()  # no close() on the backend: nothing to call
+
+
+def test_the_host_pool_view_of_an_mla_pool_and_its_page_helpers():
+    host = HostPool(3, 1, 8, torch.bfloat16, 4, 16, mla=True)
+    view = HostPoolView(host)
+    assert (view.device, view.head_num, view.head_dim, view.size, view.page_num) == ("cpu", 1, 8, 16, 4)
+    assert view.kv_buffer is host.buffer
+    per_token = view.get_size_per_token()
+    assert type(per_token) is int and per_token == host.page_nbytes // 4
+    assert view.get_ksize_per_token() == per_token  # MLA: one latent, no V
+    page = view.get_data_page(5, flat=False)  # token 5: page 1, in the host buffer's own shape
+    assert page.shape == host.buffer[1].shape and page.data_ptr() == host.buffer[1].data_ptr()
+    dummy = view.get_dummy_flat_data_page()
+    assert dummy.shape == (host.buffer[0].numel(),) and dummy.dtype == host.dtype and not dummy.any()
+    assert type(view.get_ksize_per_token()) is int
+    mha = HostPoolView(HostPool(3, 2, 8, torch.bfloat16, 4, 16))
+    assert mha.device == "cpu" and mha.get_ksize_per_token() * 2 == mha.get_size_per_token()
+    assert type(mha.get_ksize_per_token()) is int
+    one = HostPoolView(HostPool(3, 2, 8, torch.bfloat16, 4, 4))  # a host pool of one page
+    assert not one.get_dummy_flat_data_page().any() and one.get_dummy_flat_data_page().numel() == 3 * 2 * 8 * 4 * 2
+
+
+class RaisingBackend(TensorInterfaceBackend):
+    def batch_set(self, keys, values=None, target_locations=None, target_sizes=None):
+        raise OSError("disk gone")
+
+    def batch_get(self, keys, target_locations=None, target_sizes=None):
+        raise OSError("read gone")
+
+    def close(self):
+        raise OSError("close gone")
+
+
+def _pages(host, n):
+    return [host.page_view(i).fill_(i + 1) for i in range(n)]
+
+
+def test_a_backend_write_that_raises_fails_every_page_counted_and_logged():
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    store = SGLangBackendStorage(RaisingBackend(), "eic", "_s", host.page_nbytes)
+    with structlog.testing.capture_logs() as logs:
+        assert store.batch_set(KEYS[:2], _pages(host, 2)) == [False, False]
+    assert store.stats().errors == 2 and store.stats().stored == 0
+    assert logs == [{"event": "sglang.backend_write_failed", "log_level": "warning", "backend": "eic",
+                     "pages": 2, "error": repr(OSError("disk gone"))}]
+
+
+@pytest.mark.parametrize("answer", [False, None, [True, True]])
+def test_a_backend_write_not_answered_true_fails_every_page_counted_and_logged(answer):
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    backend = TensorInterfaceBackend()
+    backend.batch_set = lambda keys, values: answer
+    store = SGLangBackendStorage(backend, "aibrix", "_s", host.page_nbytes)
+    with structlog.testing.capture_logs() as logs:
+        assert store.batch_set(KEYS[:2], _pages(host, 2)) == [False, False]
+    assert (store.stats().errors, store.stats().stored) == (2, 0)
+    assert logs == [{"event": "sglang.backend_write_failed", "log_level": "warning", "backend": "aibrix",
+                     "pages": 2, "result": repr(answer)}]
+
+
+def test_a_backend_read_that_raises_misses_every_page_counted_and_logged():
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    store = SGLangBackendStorage(RaisingBackend(), "eic", "_s", host.page_nbytes)
+    into = [torch.full_like(host.page_view(0), 3) for _ in range(2)]
+    with structlog.testing.capture_logs() as logs:
+        assert store.batch_get(KEYS[:2], into) == [False, False]
+    stats = store.stats()
+    assert (stats.errors, stats.misses, stats.hits, stats.unverified) == (2, 2, 0, 0)
+    assert logs == [{"event": "sglang.backend_read_failed", "log_level": "warning", "backend": "eic",
+                     "pages": 2, "error": repr(OSError("read gone"))}]
+
+
+def test_strict_mode_counts_every_refused_page_as_an_unverified_miss_without_reading():
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    backend = TensorInterfaceBackend()
+    store = SGLangBackendStorage(backend, "aibrix", "_s", host.page_nbytes, require_checksum=True)
+    assert store.batch_set(KEYS[:2], _pages(host, 2)) == [True, True] and len(backend.pages) == 2
+    assert store.batch_get(KEYS[:2], [torch.empty_like(host.page_view(0)) for _ in range(2)]) == [False, False]
+    stats = store.stats()
+    assert (stats.stored, stats.hits, stats.misses, stats.unverified) == (2, 0, 2, 2)
+
+
+def test_the_first_unverified_read_warns_once_per_store():
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    backend = TensorInterfaceBackend()
+    store = SGLangBackendStorage(backend, "dynamic", "_s", host.page_nbytes)
+    into = [torch.empty_like(host.page_view(0))]
+    with structlog.testing.capture_logs() as logs:
+        assert store.batch_get(KEYS[:1], into) == [False]  # a miss is not an unverified page
+        assert logs == []
+        store.batch_set(KEYS[:1], _pages(host, 1))
+        assert store.batch_get(KEYS[:1], into) == [True]
+        assert store.batch_get(KEYS[:1], into) == [True]
+    assert [(e["event"], e["backend"]) for e in logs] == [("sglang.backend_unverified_pages", "dynamic")]
+    assert "KV_LIFECYCLE_REQUIRE_CHECKSUM=1" in logs[0]["why"]
+    assert store.stats().unverified == 2
+
+
+def test_a_backend_answering_a_count_hits_the_leading_pages_and_zeroes_the_rest():
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    backend = TensorInterfaceBackend()
+    backend.batch_get = lambda keys, targets: 2
+    store = SGLangBackendStorage(backend, "eic", "_s", host.page_nbytes)
+    into = [torch.full_like(host.page_view(0), 9) for _ in range(3)]
+    assert store.batch_get(KEYS, into) == [True, True, False]
+    assert bool((into[0] == 9).all()) and bool((into[1] == 9).all()) and not into[2].any()
+    backend.batch_get = lambda keys, targets: None  # nothing answered: every page missed
+    assert store.batch_get(KEYS[:2], into[:2]) == [False, False] and not into[0].any()
+    stats = store.stats()
+    assert (stats.hits, stats.misses, stats.unverified) == (2, 3, 2)
+
+
+def test_adapter_batches_are_checked_before_the_backend_sees_them():
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    backend = TensorInterfaceBackend()
+    store = SGLangBackendStorage(backend, "aibrix", "_s", host.page_nbytes)
+    short = torch.zeros(host.page_nbytes // 2, dtype=torch.uint8)
+    with pytest.raises(PageSizeMismatch):
+        store.batch_set(KEYS[:1], [short])
+    with pytest.raises(PageSizeMismatch):
+        store.batch_get(KEYS[:1], [short])
+    strict = SGLangBackendStorage(backend, "aibrix", "_s", host.page_nbytes, require_checksum=True)
+    with pytest.raises(PageSizeMismatch):
+        strict.batch_get(KEYS[:1], [short])
+    with pytest.raises(InvalidKey):
+        store.batch_exists(["not-a-hash"])
+    with pytest.raises(InvalidKey):
+        store.delete("not-a-hash")
+    assert backend.pages == {} and store.stats() == type(store.stats())()
+    assert store.batch_set([], []) == [] and store.batch_get([], []) == [] and store.batch_exists([]) == 0
+
+
+def test_adapter_delete_removes_nothing_and_close_never_raises():
+    host = HostPool(2, 2, 8, torch.bfloat16, 4, 16)
+    backend = TensorInterfaceBackend()
+    store = SGLangBackendStorage(backend, "aibrix", "_s", host.page_nbytes)
+    store.batch_set(KEYS[:1], _pages(host, 1))
+    assert store.delete(KEYS[0]) is False and store.batch_exists(KEYS[:1]) == 1
+    closed = []
+    backend.close = lambda: closed.append(True)
+    store.close()
+    assert closed == [True]
+    failing = SGLangBackendStorage(RaisingBackend(), "eic", "_s", host.page_nbytes)
+    with structlog.testing.capture_logs() as logs:
+        failing.close()
+    assert logs == [{"event": "sglang.backend_close_failed", "log_level": "warning", "backend": "eic",
+                     "error": repr(OSError("close gone"))}]

@@ -4,6 +4,7 @@ cannot honour: raised at construction, before a directory, host pool or thread e
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 import pytest
@@ -288,3 +289,64 @@ def test_an_unset_hicache_ratio_on_a_decode_server_is_sglangs_2(store_dir):
     skips decode) and its ``kv_cache_builder`` resolves it to 2.0 when decode offload is on."""
     config = read_config(runtime_context(page_size=4, ratio=None), {})
     assert (config.host_ratio, config.host_size_gb) == (2.0, 0.0)
+
+
+EXTRA = {"max_size": "3Ki", "eviction_ratio": 0.9}
+
+
+@pytest.mark.parametrize("name,text", [
+    ("extra.json", '{"max_size": "3Ki", "eviction_ratio": 0.9}'),
+    ("EXTRA.Json", '{"max_size": "3Ki", "eviction_ratio": 0.9}'),
+    ("extra.toml", 'max_size = "3Ki"\neviction_ratio = 0.9\n'),
+    ("extra.yaml", "max_size: 3Ki\neviction_ratio: 0.9\n"),
+    ("extra.yml", "max_size: 3Ki\neviction_ratio: 0.9\n"),
+])
+def test_the_extra_config_can_be_an_at_file_as_sglang_reads_it(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    cfg = read_config(runtime_context(page_size=4, extra_config=f"@{path}"), {})
+    assert cfg.extra_config == EXTRA and cfg.capacity_bytes == 3072
+
+
+def test_an_at_file_that_cannot_be_used_is_one_line_naming_it(tmp_path, monkeypatch):
+    def refused(path):
+        with pytest.raises(SGLangConfigError) as err:
+            read_config(runtime_context(page_size=4, extra_config=f"@{path}"), {})
+        return str(err.value)
+
+    missing = tmp_path / "missing.json"
+    assert refused(missing).startswith(f"--hicache-storage-backend-extra-config @{missing} cannot be read: [Errno 2]")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("max_size = \n")
+    assert refused(broken).startswith(f"--hicache-storage-backend-extra-config @{broken} cannot be read: ")
+    ini = tmp_path / "extra.ini"
+    ini.write_text("[x]\n")
+    assert refused(ini) == (f"--hicache-storage-backend-extra-config @{ini}: unsupported config format '.ini' "
+                            "(.json, .toml, .yaml)")
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    assert refused(listed) == f"--hicache-storage-backend-extra-config must be a JSON object, got '@{listed}'"
+    good = tmp_path / "extra.yaml"
+    good.write_text("max_size: 3Ki\n")
+    monkeypatch.setitem(sys.modules, "yaml", None)  # PyYAML missing
+    assert refused(good).startswith(f"--hicache-storage-backend-extra-config @{good}: import of yaml halted")
+
+
+def test_a_file_backend_extra_config_with_a_key_it_does_not_read_is_refused_naming_them(tmp_path):
+    path = tmp_path / "extra.json"
+    path.write_text('{"max_size": 1, "zeta": 1, "alpha": 2}')
+    with pytest.raises(SGLangConfigError) as err:
+        read_config(runtime_context(page_size=4, extra_config=f"@{path}"), {})
+    assert str(err.value) == ("--hicache-storage-backend-extra-config keys ['alpha', 'zeta'] are not supported for "
+                              "the file backend; supported: max_size, min_free_space, eviction_ratio, "
+                              "enable_metadata_cache, metadata_ttl")
+    # other backends read their own keys: passed on as given
+    assert read_config(runtime_context(page_size=4, backend="aibrix", extra_config=f"@{path}"), {}).extra_config == {
+        "max_size": 1, "zeta": 1, "alpha": 2}
+
+
+def test_an_empty_extra_config_is_none_and_a_dict_is_taken_as_given():
+    assert read_config(runtime_context(page_size=4, extra_config=""), {}).extra_config == {}
+    given = {"max_size": 2048}
+    cfg = read_config(runtime_context(page_size=4, extra_config=given), {})
+    assert cfg.extra_config == given and cfg.extra_config is not given and cfg.capacity_bytes == 2048

@@ -118,3 +118,37 @@ def test_the_staged_path_reports_bad_ids_after_the_copy():
                             staging=Staging("cpu"))
     plan.to_host()
     assert isinstance(plan.landed_error(), BadIndices)
+
+
+def test_the_engine_copies_back_to_the_device_bit_exact_and_checks_the_ids_on_its_worker():
+    kv = _pool(False)
+    host = HostPool(LAYERS, HEADS, DIM, kv.dtype, PS, 4 * PS, pin=False)
+    slots, hp = _slots([3, 1]), torch.tensor([2, 0])
+    engine = LayeredCpuCopyEngine(1)
+    engine.to_host("out", kv, host, slots, hp, check_end=64)
+    engine.close()
+    assert [(d.tag, d.error) for d in engine.poll()] == [("out", None)]
+    want = kv.read(slots)
+    back = _pool(False)
+    for kind in back.buffers:
+        for buf in kind:
+            buf.zero_()
+    engine = LayeredCpuCopyEngine(1)
+    engine.to_device("in", back, host, slots, hp, check_end=64)
+    engine.to_device("bad", back, host, _slots([16]), torch.tensor([1]), check_end=64)  # slot 64: past the end
+    engine.close()
+    done = {d.tag: d.error for d in engine.poll()}
+    assert done["in"] is None and isinstance(done["bad"], ValueError)
+    assert torch.equal(back.read(slots).view(torch.int16), want.view(torch.int16))
+    assert not back.read(_slots([2])).any()  # nothing else written
+
+
+def test_the_cpu_engine_refuses_a_device_pool_for_copies_back_too():
+    kv = LayeredKVPool([[torch.empty(64, HEADS, DIM, dtype=torch.bfloat16, device="meta") for _ in range(LAYERS)]
+                        for _ in range(2)], mla=False)
+    engine = LayeredCpuCopyEngine(1)
+    with pytest.raises(ValueError, match="copies host-memory pools only; this pool is on meta"):
+        engine.to_device("t", kv, HostPool(LAYERS, HEADS, DIM, kv.dtype, PS, 4 * PS, pin=False),
+                         _slots([1]), torch.tensor([0]))
+    assert engine.pending == 0
+    engine.close()

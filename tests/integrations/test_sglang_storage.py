@@ -11,7 +11,9 @@ import torch
 from lifecycle.integrations.sglang import SGLangConfigError, read_config
 from lifecycle.integrations.sglang.storage import ReplicaStorage, open_storage
 from lifecycle_tools.testkit.sglang_doubles import runtime_context
+from transfer.errors import PageSizeMismatch
 from transfer.host_pool import HostPool
+from transfer.storage.base import StorageStats
 
 HASH = "ab" * 32
 
@@ -71,3 +73,23 @@ def test_an_unwritable_directory_is_a_config_error(tmp_path):
                       {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(blocker / "sub")})
     with pytest.raises(SGLangConfigError, match="SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"):
         open_storage(cfg, _host(False), 0, 1, False)
+
+
+class CountingReader:
+    """A reader store whose own stats already count skipped pages."""
+
+    suffix, page_nbytes = "_s", 64
+
+    def stats(self):
+        return StorageStats(skipped=3, hits=1)
+
+
+def test_a_replica_adds_every_skipped_write_to_its_readers_stats():
+    replica = ReplicaStorage(CountingReader())
+    page = torch.zeros(64, dtype=torch.uint8)
+    assert replica.batch_set([HASH, "cd" * 32], [page, page]) == [True, True]
+    assert replica.batch_set(["ef" * 32], [page]) == [True]
+    stats = replica.stats()
+    assert (stats.skipped, stats.hits) == (3 + 3, 1)
+    with pytest.raises(PageSizeMismatch):
+        replica.batch_set([HASH], [torch.zeros(32, dtype=torch.uint8)])

@@ -248,13 +248,16 @@ class HostPoolView:
 
 def storage_config(*, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int, mla: bool, model: str,
                    extra: Mapping):
-    """SGLang's ``HiCacheStorageConfig`` as ``HiCacheController._generate_storage_config`` fills it."""
+    """SGLang's ``HiCacheStorageConfig`` as ``HiCacheController._generate_storage_config`` fills it
+    (``tp_lcm_size`` moved out of the extra config into its own field, as SGLang moves it)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: PLC0415
 
+    extra_config = dict(extra)
+    tp_lcm_size = extra_config.pop("tp_lcm_size", None)
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=True, model_name=model,
-        extra_config=dict(extra))
+        tp_lcm_size=tp_lcm_size, extra_config=extra_config)
 
 
 def build_sglang_backend(name: str, config, host, factory=None):
