@@ -83,6 +83,65 @@ def test_a_failed_seal_write_removes_only_the_objects_it_created(store, raw, mon
     assert torch.equal(read_raw(raw, k_name), theirs[:NB // 2])
 
 
+def test_objects_a_failed_seal_write_created_are_removed_even_while_a_reader_holds_them(store, raw, monkeypatch):
+    """Between our put and its rollback a reader (SGLang on another node) reads the new K and V,
+    which gives them a lease (Mooncake then refuses a plain ``remove`` with OBJECT_HAS_LEASE). The
+    rollback still removes them: no page of ours stays without its seal."""
+    from transfer.storage import mooncake_conn as conn
+
+    h = fresh_hashes(1)[0]
+    ours = pages(1, seed=16)[0]
+    k_name, v_name, seal_name = objects(h)
+    tier = store._store
+
+    class ReadBeforeRollback:
+        """The real client; a seal finds no room, and the page objects are read right after the put."""
+
+        def __init__(self, client):
+            self._client = client
+
+        def batch_put_from(self, names, ptrs, sizes, config):
+            codes = self._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config)
+            assert codes == [conn.OK, conn.OK]
+            for name in (k_name, v_name):
+                read_raw(raw, name)  # leased now
+            return codes + [conn.NO_SPACE]
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+    monkeypatch.setattr(tier, "_store", ReadBeforeRollback(tier._store))
+    assert store.batch_set([h], [ours]) == [False]
+    monkeypatch.undo()
+    assert raw.batch_is_exist([k_name, v_name, seal_name]) == [0, 0, 0]
+
+
+def test_remove_created_counts_the_objects_it_removed():
+    """``_remove_created`` removes only what the put stored and did not exist before, and returns
+    how many removals succeeded (a removal the store refuses is not counted)."""
+    from transfer.storage import mooncake_conn as conn
+    from transfer.storage.mooncake_owned import MooncakeOwnership
+
+    class Store:
+        def __init__(self, refused):
+            self.refused, self.removed = refused, []
+
+        def remove(self, name, force=False):
+            if name in self.refused:
+                return -706
+            self.removed.append(name)
+            return 0
+
+    names = ["a", "b", "c", "d", "e", "f"]
+    codes = [conn.OK, conn.OK, conn.NO_SPACE, conn.OK, conn.OK, conn.OK]
+    existed = [False, True, False, False, False, False]
+    s = Store(refused={"f"})
+    assert MooncakeOwnership()._remove_created(s, names, codes, existed) == 3
+    assert s.removed == ["a", "d", "e"]
+    assert MooncakeOwnership()._remove_created(Store(refused=set()), names[:2], codes[:2], existed[:2]) == 1
+    assert MooncakeOwnership()._remove_created(Store(refused={"a"}), ["a"], [conn.OK], [False]) == 0
+
+
 def test_strict_mode_finds_a_page_again_once_batch_set_restores_its_evicted_seal(store, raw, module_master):
     h = fresh_hashes(1)[0]
     page = pages(1, seed=13)[0]
