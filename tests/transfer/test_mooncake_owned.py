@@ -185,3 +185,87 @@ def test_an_unsealed_page_with_our_exact_bytes_written_by_sglang_is_sealed(store
     assert store.stats().resealed == 1
     buf = torch.zeros(NB, dtype=torch.uint8)
     assert store.batch_get([h], [buf]) == [True] and store.stats().unverified == 0
+
+
+# --- reseal: several pages in one batch, failures, and the master going away ----------------------
+
+from structlog.testing import capture_logs  # noqa: E402
+import pytest  # noqa: E402
+
+from transfer.errors import StorageUnavailable  # noqa: E402
+from transfer.storage import mooncake_conn as conn  # noqa: E402
+from tests.transfer.test_mooncake_storage import _replace as put_raw  # noqa: E402
+
+NOT_OURS = "objects under this page name hold other bytes and no seal of ours: left alone"
+
+
+def sglang_writes(raw, h: str, page: torch.Tensor) -> None:
+    """SGLang stores page ``h`` (its K and V objects, no seal of ours)."""
+    k_name, v_name, _ = objects(h)
+    put_raw(raw, k_name, page[:NB // 2].clone())
+    put_raw(raw, v_name, page[NB // 2:].clone())
+
+
+def events(logs, name: str) -> list[dict]:
+    return [e for e in logs if e.get("event") == name]
+
+
+class Wrapped:
+    """The real client with some calls replaced (set as attributes)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_batch_reseals_each_page_on_its_own_objects(store, raw):
+    """Three pages found without a seal in one ``batch_set``: the first and last hold our exact
+    bytes (sealed again), the middle one a K object of another size (SGLang's, another page
+    size): that one alone is ``foreign``, left alone, and logged once by its page name."""
+    hs = fresh_hashes(3)
+    pool = pages(3, seed=17)
+    for h, page in zip(hs, pool):
+        sglang_writes(raw, h, page)
+    k1 = objects(hs[1])[0]
+    put_raw(raw, k1, torch.cat([pool[1][:NB // 2], pool[1][:NB // 2]]))  # twice the size we expect
+    with capture_logs() as logs:
+        assert store.batch_set(hs, list(pool)) == [True, False, True]
+    assert raw.batch_is_exist([objects(h)[2] for h in hs]) == [1, 0, 1]
+    assert raw.get_size(k1) == NB and raw.batch_is_exist(objects(hs[1])[:2]) == [1, 1]  # untouched
+    stats = store.stats()
+    assert (stats.resealed, stats.foreign, stats.errors) == (2, 1, 0)
+    assert [{k: e.get(k) for k in ("event", "log_level", "name", "detail")} for e in events(logs, "mooncake.not_ours")] == [
+        {"event": "mooncake.not_ours", "log_level": "warning", "name": f"org-tiny_{hs[1]}_1", "detail": NOT_OURS}]
+    out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(3)]
+    assert store.batch_get(hs, out) == [True, False, True]
+    assert torch.equal(out[0], pool[0]) and torch.equal(out[2], pool[2]) and store.stats().unverified == 0
+
+
+def test_a_seal_that_finds_no_room_on_reseal_is_a_counted_logged_failure(store, raw, monkeypatch):
+    """Three pages of our exact bytes without a seal: each is read back on its own, and the seals
+    are put in one batch; the last finds the segment full: that page alone is not stored,
+    counted in ``errors`` and logged by its seal object's name and Mooncake's code."""
+    hs = fresh_hashes(3)
+    pool = pages(3, seed=18)
+    for h, page in zip(hs, pool):
+        sglang_writes(raw, h, page)
+    tier = store._store
+    client = Wrapped(tier._store)
+    seals = [objects(h)[2] for h in hs]
+
+    def batch_put_from(names, ptrs, sizes, config):  # the last seal finds the segment full
+        assert names == seals
+        return client._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config) + [conn.NO_SPACE]
+
+    client.batch_put_from = batch_put_from
+    monkeypatch.setattr(tier, "_store", client)
+    with capture_logs() as logs:
+        assert store.batch_set(hs, list(pool)) == [True, True, False]
+    monkeypatch.undo()
+    assert raw.batch_is_exist(seals) == [1, 1, 0]
+    stats = store.stats()
+    assert (stats.resealed, stats.errors, stats.foreign) == (2, 1, 0)
+    assert [{k: e.get(k) for k in ("event", "log_level", "name", "code")} for e in events(logs, "mooncake.write_failed")] == [
+        {"event": "mooncake.write_failed", "log_level": "error", "name": seals[2], "code": "NO_AVAILABLE_HANDLE(-200)"}]
