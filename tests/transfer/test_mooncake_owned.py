@@ -269,3 +269,41 @@ def test_a_seal_that_finds_no_room_on_reseal_is_a_counted_logged_failure(store, 
     assert (stats.resealed, stats.errors, stats.foreign) == (2, 1, 0)
     assert [{k: e.get(k) for k in ("event", "log_level", "name", "code")} for e in events(logs, "mooncake.write_failed")] == [
         {"event": "mooncake.write_failed", "log_level": "error", "name": seals[2], "code": "NO_AVAILABLE_HANDLE(-200)"}]
+
+
+@pytest.fixture
+def own_store(module_master, shared_store):
+    """A store of its own (the test opens its breaker), placing objects on the module store's segment."""
+    s = Counted(open_storage(module_master.spec(global_segment_size=0), page_nbytes=NB, identity=TINY, page_format=MHA))
+    yield s
+    s.close()
+
+
+def _unreachable_reseal(own_store, raw, monkeypatch, call: str):
+    """A page to reseal, and the master gone at ``call`` (every code RPC_FAIL): batch_set raises
+    StorageUnavailable, as it does when the master is gone at the existence check or the put."""
+    h = fresh_hashes(1)[0]
+    page = pages(1, seed=19)[0]
+    sglang_writes(raw, h, page)
+    tier = own_store._store
+    client = Wrapped(tier._store)
+    setattr(client, call, lambda names, *rest: [-900] * len(names))
+    monkeypatch.setattr(tier, "_store", client)
+    with capture_logs() as logs, pytest.raises(StorageUnavailable, match="unreachable"):
+        own_store.batch_set([h], [page])
+    monkeypatch.undo()
+    assert raw.batch_is_exist(objects(h)) == [1, 1, 0]
+    stats = own_store.stats()
+    assert (stats.foreign, stats.resealed, stats.errors) == (0, 0, 1)
+    assert not events(logs, "mooncake.not_ours") and not events(logs, "mooncake.write_failed")
+    return [e["error"] for e in events(logs, "storage.tier_down")]
+
+
+def test_a_master_gone_at_the_reseal_read_is_an_outage_not_a_foreign_page(own_store, raw, monkeypatch):
+    """Not being able to read the objects back proves nothing about whose they are: no
+    ``foreign`` count, no "not ours" warning; the breaker opens, naming the step."""
+    assert _unreachable_reseal(own_store, raw, monkeypatch, "batch_get_into") == ["read before reseal: RPC_FAIL(-900)"]
+
+
+def test_a_master_gone_at_the_reseal_put_is_an_outage_not_a_page_write_failure(own_store, raw, monkeypatch):
+    assert _unreachable_reseal(own_store, raw, monkeypatch, "batch_put_from") == ["reseal: RPC_FAIL(-900)"]
