@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from lifecycle_tools.testkit.mooncake_server import (  # noqa: F401 (fixtures)
     free_port, mooncake_master, mooncake_session_master, require_mooncake,
@@ -157,6 +158,32 @@ def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(store, mod
     finally:
         strict.close()
         raw.unregister_buffer(page.data_ptr())
+
+
+def test_unverified_pages_are_each_counted_and_warned_about_once_per_store(module_master, shared_store, raw):
+    """Every page served without a seal is counted ``unverified``; the store warns once, naming
+    the first such page (docs/storage.md: one warning per store)."""
+    hs = fresh_hashes(3)
+    pool = pages(3, seed=6)
+    half = NB // 2
+    raw.register_buffer(pool.data_ptr(), pool.numel())
+    s = open_storage(module_master.spec(global_segment_size=0), page_nbytes=NB, identity=TINY, page_format=MHA)
+    try:
+        for h, page in zip(hs, pool):
+            names = sglang_keys(h, "org/tiny", 1, mla=False)
+            assert raw.batch_put_from(names, [page.data_ptr(), page.data_ptr() + half], [half, half]) == [0, 0]
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(3)]
+        with capture_logs() as logs:
+            assert s.batch_get(hs[:2], out[:2]) == [True, True]
+            assert s.batch_get(hs[2:], out[2:]) == [True]
+        assert all(torch.equal(o, p) for o, p in zip(out, pool)) and s.stats().unverified == 3
+        warned = [{k: e.get(k) for k in ("event", "log_level", "name", "detail")}
+                  for e in logs if e.get("event") == "mooncake.unverified_page"]
+        assert warned == [{"event": "mooncake.unverified_page", "log_level": "warning", "name": f"org-tiny_{hs[0]}_1",
+                           "detail": "page without a seal (written by SGLang?) served; require_checksum=1 refuses them"}]
+    finally:
+        s.close()
+        raw.unregister_buffer(pool.data_ptr())
 
 
 def test_mla_pages_are_one_object(mooncake_master, raw):
