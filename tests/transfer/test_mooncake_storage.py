@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -438,6 +439,79 @@ def test_exists_counts_the_longest_stored_prefix_and_delete_reports(store):
     assert store.delete(h[1]) is True and store.delete(h[1]) is False
     assert store.batch_exists(h) == 1
     assert store.batch_get(h[:2], [p[2].clone(), p[2].clone()]) == [True, False]
+
+
+class Wrapped:
+    """A real client with some of its calls replaced (set as attributes)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def tier_down_errors(logs) -> list:
+    return [e["error"] for e in logs if e.get("event") == "storage.tier_down"]
+
+
+def test_exists_of_no_keys_is_zero_and_an_unconnected_store_says_which_call_it_refused():
+    require_mooncake()
+    s = open_storage(f"mooncake://127.0.0.1:{free_port()}?lazy=1", page_nbytes=NB, identity=M, page_format=MHA)
+    try:
+        assert s.batch_exists([]) == 0
+        with pytest.raises(StorageUnavailable, match=r"^mooncake storage at mooncake://127\.0\.0\.1:\d+ is unavailable \(exists\)$"):
+            s.batch_exists(fresh_hashes(1))
+        assert s.stats().unavailable == 1
+    finally:
+        s.close(wait=True)
+
+
+@pytest.fixture
+def own_store(module_master, shared_store):
+    """A store of its own (the test opens its breaker), placing objects on the module store's segment."""
+    s = open_storage(module_master.spec(global_segment_size=0, exists_timeout_s=0.2), page_nbytes=NB, identity=TINY,
+                     page_format=MHA)
+    yield s
+    s.close(wait=True)
+
+
+def test_a_master_gone_at_the_existence_check_is_a_typed_error_naming_the_step(own_store, monkeypatch):
+    client = Wrapped(own_store._store)
+    client.batch_is_exist = lambda names: [-900] * len(names)  # RPC_FAIL
+    monkeypatch.setattr(own_store, "_store", client)
+    with capture_logs() as logs, pytest.raises(StorageUnavailable, match=r"^mooncake storage at \S+ is unreachable \(exists\)$"):
+        own_store.batch_exists(fresh_hashes(2))
+    assert tier_down_errors(logs) == ["exists: RPC_FAIL(-900)"]
+
+
+def test_a_hung_existence_check_times_out_and_the_next_fails_fast_while_it_still_runs(own_store, monkeypatch):
+    """``exists_timeout_s`` (0.2 s here) bounds a check; the breaker opens; once it lets a probe
+    through, a check while the hung one still runs fails at once; each counted ``unavailable``."""
+    released = threading.Event()
+    client = Wrapped(own_store._store)
+
+    def hung(names):
+        released.wait(3.0)  # a master that accepted the call and does not answer
+        return client._client.batch_is_exist(names)
+
+    client.batch_is_exist = hung
+    monkeypatch.setattr(own_store, "_store", client)
+    base = own_store.stats().unavailable
+    try:
+        with capture_logs() as logs:
+            t = time.monotonic()
+            with pytest.raises(StorageUnavailable, match=r"^mooncake storage at \S+: existence check exceeded 0\.2 s$"):
+                own_store.batch_exists(fresh_hashes(1))
+            assert time.monotonic() - t < 1.0 and own_store.stats().unavailable == base + 1
+        assert tier_down_errors(logs) == ["existence check exceeded 0.2 s"]
+        time.sleep(max(0.0, own_store.breaker.retry_in()) + 0.05)  # half-open: the next call is a probe
+        t = time.monotonic()
+        with pytest.raises(StorageUnavailable, match=r"^mooncake storage at \S+: an existence check is still running$"):
+            own_store.batch_exists(fresh_hashes(1))
+        assert time.monotonic() - t < 0.5 and own_store.stats().unavailable == base + 2
+    finally:
+        released.set()
 
 
 def test_setup_noise_is_dropped_and_every_other_stderr_line_kept():
