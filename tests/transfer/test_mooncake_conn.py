@@ -18,3 +18,11 @@ def test_a_known_code_is_named_with_its_number(code, name):
 @pytest.mark.parametrize("code", [-12345, -702, 7])
 def test_an_unknown_code_is_a_generic_error_with_its_number(code):
     assert conn.code_name(code) == f"ERROR({code})"
+
+
+def test_a_size_that_is_not_one_is_refused_with_the_text_and_examples():
+    from transfer.errors import StorageConfigError
+
+    with pytest.raises(StorageConfigError, match=r"^not a byte size: 'lots' \(e\.g\. 256MiB, 4GB, 1048576\)$"):
+        conn.parse_size("lots")
+    assert [conn.parse_size(t) for t in ("7", "2k", "3MiB", "1g", "1T")] == [7, 2 << 10, 3 << 20, 1 << 30, 1 << 40]

@@ -307,3 +307,19 @@ def test_a_master_gone_at_the_reseal_read_is_an_outage_not_a_foreign_page(own_st
 
 def test_a_master_gone_at_the_reseal_put_is_an_outage_not_a_page_write_failure(own_store, raw, monkeypatch):
     assert _unreachable_reseal(own_store, raw, monkeypatch, "batch_put_from") == ["reseal: RPC_FAIL(-900)"]
+
+
+def test_a_restored_seal_is_placed_as_configured(module_master, shared_store, raw):
+    """The seal ``batch_set`` puts back follows the store's put configuration, like every object
+    it writes: ``replica_num=2`` (two segments here: the module store's and this store's) gives
+    the seal two replicas."""
+    s = open_storage(module_master.spec(replica_num=2, global_segment_size=16 << 20), page_nbytes=NB, identity=TINY,
+                     page_format=MHA)
+    try:
+        h = fresh_hashes(1)[0]
+        page = pages(1, seed=20)[0]
+        sglang_writes(raw, h, page)
+        assert s.batch_set([h], [page]) == [True] and s.stats().resealed == 1
+        assert len(raw.get_replica_desc(objects(h)[2])) == 2
+    finally:
+        s.close(wait=True)
