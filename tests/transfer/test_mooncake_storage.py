@@ -389,9 +389,11 @@ def test_spec_parsing():
     s = parse_spec("mooncake://127.0.0.1:5000?replica_num=2&global_segment_size=1GiB&lazy=1")
     assert (s.master, s.replica_num, s.global_segment_size, s.lazy) == ("127.0.0.1:5000", 2, 1 << 30, True)
     assert parse_spec("mooncake://[::1]:7").master == "[::1]:7" and parse_size("64MB") == 64 << 20
+    flags = parse_spec("mooncake://h:1?lazy=TRUE&require_checksum=Yes&seal=off")
+    assert (flags.lazy, flags.require_checksum, flags.seal) == (True, True, False)  # any case
     for bad in ("mooncake://127.0.0.1", "mooncake://h:1?bogus=1", "mooncake://h:1?replica_num=0",
                 "mooncake://h:1?global_segment_size=lots", "mooncake://h:1/x", "mooncake://h:1?lazy=maybe",
-                "mooncake://h:1?protocol=udp", "mooncake://h:1?exists_timeout_s=-1",
+                "mooncake://h:1?protocol=udp", "mooncake://h:1?exists_timeout_s=-1", "mooncake://h:1?setup_timeout_s=0",
                 "mooncake://h:1?model=org/m"):  # identity options belong to open_storage
         with pytest.raises(StorageConfigError):
             parse_spec(bad)
@@ -512,6 +514,23 @@ def test_a_hung_existence_check_times_out_and_the_next_fails_fast_while_it_still
         assert time.monotonic() - t < 0.5 and own_store.stats().unavailable == base + 2
     finally:
         released.set()
+
+
+def test_a_seal_object_of_another_size_is_a_corrupt_miss_logged_by_page_name(own_store, raw):
+    """A store of its own: ``mooncake.page_refused`` is rate-limited per store."""
+    h = fresh_hashes(1)[0]
+    page = pages(1, seed=7)[0]
+    assert own_store.batch_set([h], [page]) == [True]
+    _replace(raw, f"org-tiny_{h}_1_kvlp", torch.ones(50, dtype=torch.uint8))  # not our 104-byte seal
+    buf = page.clone()
+    with capture_logs() as logs:
+        assert own_store.batch_get([h], [buf]) == [False]
+    assert not buf.any() and own_store.stats().corrupt == 1
+    assert raw.batch_is_exist(sglang_keys(h, "org/tiny", 1, False)) == [1, 1]  # nothing removed
+    refused = [{k: e.get(k) for k in ("event", "log_level", "name", "verdict")}
+               for e in logs if e.get("event") == "mooncake.page_refused"]
+    assert refused == [{"event": "mooncake.page_refused", "log_level": "error", "name": f"org-tiny_{h}_1",
+                        "verdict": "corrupt"}]
 
 
 def test_setup_noise_is_dropped_and_every_other_stderr_line_kept():
