@@ -323,3 +323,22 @@ def test_a_restored_seal_is_placed_as_configured(module_master, shared_store, ra
         assert len(raw.get_replica_desc(objects(h)[2])) == 2
     finally:
         s.close(wait=True)
+
+
+def test_only_the_page_whose_seal_failed_is_rolled_back_in_a_batch(store, raw, monkeypatch):
+    """Two new pages in one write; the second page's seal finds no room: that page's objects are
+    removed again, the first page stays whole."""
+    hs = fresh_hashes(2)
+    pool = pages(2, seed=21)
+    tier = store._store
+    client = Wrapped(tier._store)
+
+    def batch_put_from(names, ptrs, sizes, config):
+        assert names == objects(hs[0]) + objects(hs[1])
+        return client._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config) + [conn.NO_SPACE]
+
+    client.batch_put_from = batch_put_from
+    monkeypatch.setattr(tier, "_store", client)
+    assert store.batch_set(hs, list(pool)) == [True, False]
+    monkeypatch.undo()
+    assert raw.batch_is_exist(objects(hs[0]) + objects(hs[1])) == [1, 1, 1, 0, 0, 0]
