@@ -120,3 +120,25 @@ def test_a_lazy_session_closed_while_retrying_stops_connecting(fake_mooncake):
     attempts = fake_mooncake.attempts
     time.sleep(0.1)
     assert fake_mooncake.attempts == attempts and not s.connected
+
+
+def test_a_session_closed_while_its_master_is_gone_parks_the_client_for_good(fake_mooncake, monkeypatch):
+    """With the master not answering at close, the client is neither closed nor ever destroyed
+    (Mooncake's close would hold the GIL for ~17 s): one warning says so."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(conn, "probe", lambda host, port, timeout_s: "Connection refused")
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1", lazy=True))
+    assert wait_connected(s)
+    client = weakref.ref(fake_mooncake.client)
+    with capture_logs() as logs:
+        s.close(wait=True)
+    parked = [{k: e.get(k) for k in ("event", "log_level", "master", "detail")}
+              for e in logs if e.get("event") == "mooncake.client_parked"]
+    assert parked == [{"event": "mooncake.client_parked", "log_level": "warning", "master": "127.0.0.1:1",
+                       "detail": "master unreachable at close; the client is left open until the process exits"}]
+    assert not fake_mooncake.client.closed
+    del s, fake_mooncake.client
+    gc.collect()
+    assert client() is not None  # still referenced: never destroyed
