@@ -83,6 +83,65 @@ def test_a_failed_seal_write_removes_only_the_objects_it_created(store, raw, mon
     assert torch.equal(read_raw(raw, k_name), theirs[:NB // 2])
 
 
+def test_objects_a_failed_seal_write_created_are_removed_even_while_a_reader_holds_them(store, raw, monkeypatch):
+    """Between our put and its rollback a reader (SGLang on another node) reads the new K and V,
+    which gives them a lease (Mooncake then refuses a plain ``remove`` with OBJECT_HAS_LEASE). The
+    rollback still removes them: no page of ours stays without its seal."""
+    from transfer.storage import mooncake_conn as conn
+
+    h = fresh_hashes(1)[0]
+    ours = pages(1, seed=16)[0]
+    k_name, v_name, seal_name = objects(h)
+    tier = store._store
+
+    class ReadBeforeRollback:
+        """The real client; a seal finds no room, and the page objects are read right after the put."""
+
+        def __init__(self, client):
+            self._client = client
+
+        def batch_put_from(self, names, ptrs, sizes, config):
+            codes = self._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config)
+            assert codes == [conn.OK, conn.OK]
+            for name in (k_name, v_name):
+                read_raw(raw, name)  # leased now
+            return codes + [conn.NO_SPACE]
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+    monkeypatch.setattr(tier, "_store", ReadBeforeRollback(tier._store))
+    assert store.batch_set([h], [ours]) == [False]
+    monkeypatch.undo()
+    assert raw.batch_is_exist([k_name, v_name, seal_name]) == [0, 0, 0]
+
+
+def test_remove_created_counts_the_objects_it_removed():
+    """``_remove_created`` removes only what the put stored and did not exist before, and returns
+    how many removals succeeded (a removal the store refuses is not counted)."""
+    from transfer.storage import mooncake_conn as conn
+    from transfer.storage.mooncake_owned import MooncakeOwnership
+
+    class Store:
+        def __init__(self, refused):
+            self.refused, self.removed = refused, []
+
+        def remove(self, name, force=False):
+            if name in self.refused:
+                return -706
+            self.removed.append(name)
+            return 0
+
+    names = ["a", "b", "c", "d", "e", "f"]
+    codes = [conn.OK, conn.OK, conn.NO_SPACE, conn.OK, conn.OK, conn.OK]
+    existed = [False, True, False, False, False, False]
+    s = Store(refused={"f"})
+    assert MooncakeOwnership()._remove_created(s, names, codes, existed) == 3
+    assert s.removed == ["a", "d", "e"]
+    assert MooncakeOwnership()._remove_created(Store(refused=set()), names[:2], codes[:2], existed[:2]) == 1
+    assert MooncakeOwnership()._remove_created(Store(refused={"a"}), ["a"], [conn.OK], [False]) == 0
+
+
 def test_strict_mode_finds_a_page_again_once_batch_set_restores_its_evicted_seal(store, raw, module_master):
     h = fresh_hashes(1)[0]
     page = pages(1, seed=13)[0]
@@ -126,3 +185,160 @@ def test_an_unsealed_page_with_our_exact_bytes_written_by_sglang_is_sealed(store
     assert store.stats().resealed == 1
     buf = torch.zeros(NB, dtype=torch.uint8)
     assert store.batch_get([h], [buf]) == [True] and store.stats().unverified == 0
+
+
+# --- reseal: several pages in one batch, failures, and the master going away ----------------------
+
+from structlog.testing import capture_logs  # noqa: E402
+import pytest  # noqa: E402
+
+from transfer.errors import StorageUnavailable  # noqa: E402
+from transfer.storage import mooncake_conn as conn  # noqa: E402
+from tests.transfer.test_mooncake_storage import _replace as put_raw  # noqa: E402
+
+NOT_OURS = "objects under this page name hold other bytes and no seal of ours: left alone"
+
+
+def sglang_writes(raw, h: str, page: torch.Tensor) -> None:
+    """SGLang stores page ``h`` (its K and V objects, no seal of ours)."""
+    k_name, v_name, _ = objects(h)
+    put_raw(raw, k_name, page[:NB // 2].clone())
+    put_raw(raw, v_name, page[NB // 2:].clone())
+
+
+def events(logs, name: str) -> list[dict]:
+    return [e for e in logs if e.get("event") == name]
+
+
+class Wrapped:
+    """The real client with some calls replaced (set as attributes)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_a_batch_reseals_each_page_on_its_own_objects(store, raw):
+    """Three pages found without a seal in one ``batch_set``: the first and last hold our exact
+    bytes (sealed again), the middle one a K object of another size (SGLang's, another page
+    size): that one alone is ``foreign``, left alone, and logged once by its page name."""
+    hs = fresh_hashes(3)
+    pool = pages(3, seed=17)
+    for h, page in zip(hs, pool):
+        sglang_writes(raw, h, page)
+    k1 = objects(hs[1])[0]
+    put_raw(raw, k1, torch.cat([pool[1][:NB // 2], pool[1][:NB // 2]]))  # twice the size we expect
+    with capture_logs() as logs:
+        assert store.batch_set(hs, list(pool)) == [True, False, True]
+    assert raw.batch_is_exist([objects(h)[2] for h in hs]) == [1, 0, 1]
+    assert raw.get_size(k1) == NB and raw.batch_is_exist(objects(hs[1])[:2]) == [1, 1]  # untouched
+    stats = store.stats()
+    assert (stats.resealed, stats.foreign, stats.errors) == (2, 1, 0)
+    assert [{k: e.get(k) for k in ("event", "log_level", "name", "detail")} for e in events(logs, "mooncake.not_ours")] == [
+        {"event": "mooncake.not_ours", "log_level": "warning", "name": f"org-tiny_{hs[1]}_1", "detail": NOT_OURS}]
+    out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(3)]
+    assert store.batch_get(hs, out) == [True, False, True]
+    assert torch.equal(out[0], pool[0]) and torch.equal(out[2], pool[2]) and store.stats().unverified == 0
+
+
+def test_a_seal_that_finds_no_room_on_reseal_is_a_counted_logged_failure(store, raw, monkeypatch):
+    """Three pages of our exact bytes without a seal: each is read back on its own, and the seals
+    are put in one batch; the last finds the segment full: that page alone is not stored,
+    counted in ``errors`` and logged by its seal object's name and Mooncake's code."""
+    hs = fresh_hashes(3)
+    pool = pages(3, seed=18)
+    for h, page in zip(hs, pool):
+        sglang_writes(raw, h, page)
+    tier = store._store
+    client = Wrapped(tier._store)
+    seals = [objects(h)[2] for h in hs]
+
+    def batch_put_from(names, ptrs, sizes, config):  # the last seal finds the segment full
+        assert names == seals
+        return client._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config) + [conn.NO_SPACE]
+
+    client.batch_put_from = batch_put_from
+    monkeypatch.setattr(tier, "_store", client)
+    with capture_logs() as logs:
+        assert store.batch_set(hs, list(pool)) == [True, True, False]
+    monkeypatch.undo()
+    assert raw.batch_is_exist(seals) == [1, 1, 0]
+    stats = store.stats()
+    assert (stats.resealed, stats.errors, stats.foreign) == (2, 1, 0)
+    assert [{k: e.get(k) for k in ("event", "log_level", "name", "code")} for e in events(logs, "mooncake.write_failed")] == [
+        {"event": "mooncake.write_failed", "log_level": "error", "name": seals[2], "code": "NO_AVAILABLE_HANDLE(-200)"}]
+
+
+@pytest.fixture
+def own_store(module_master, shared_store):
+    """A store of its own (the test opens its breaker), placing objects on the module store's segment."""
+    s = Counted(open_storage(module_master.spec(global_segment_size=0), page_nbytes=NB, identity=TINY, page_format=MHA))
+    yield s
+    s.close()
+
+
+def _unreachable_reseal(own_store, raw, monkeypatch, call: str):
+    """A page to reseal, and the master gone at ``call`` (every code RPC_FAIL): batch_set raises
+    StorageUnavailable, as it does when the master is gone at the existence check or the put."""
+    h = fresh_hashes(1)[0]
+    page = pages(1, seed=19)[0]
+    sglang_writes(raw, h, page)
+    tier = own_store._store
+    client = Wrapped(tier._store)
+    setattr(client, call, lambda names, *rest: [-900] * len(names))
+    monkeypatch.setattr(tier, "_store", client)
+    with capture_logs() as logs, pytest.raises(StorageUnavailable, match="unreachable"):
+        own_store.batch_set([h], [page])
+    monkeypatch.undo()
+    assert raw.batch_is_exist(objects(h)) == [1, 1, 0]
+    stats = own_store.stats()
+    assert (stats.foreign, stats.resealed, stats.errors) == (0, 0, 1)
+    assert not events(logs, "mooncake.not_ours") and not events(logs, "mooncake.write_failed")
+    return [e["error"] for e in events(logs, "storage.tier_down")]
+
+
+def test_a_master_gone_at_the_reseal_read_is_an_outage_not_a_foreign_page(own_store, raw, monkeypatch):
+    """Not being able to read the objects back proves nothing about whose they are: no
+    ``foreign`` count, no "not ours" warning; the breaker opens, naming the step."""
+    assert _unreachable_reseal(own_store, raw, monkeypatch, "batch_get_into") == ["read before reseal: RPC_FAIL(-900)"]
+
+
+def test_a_master_gone_at_the_reseal_put_is_an_outage_not_a_page_write_failure(own_store, raw, monkeypatch):
+    assert _unreachable_reseal(own_store, raw, monkeypatch, "batch_put_from") == ["reseal: RPC_FAIL(-900)"]
+
+
+def test_a_restored_seal_is_placed_as_configured(module_master, shared_store, raw):
+    """The seal ``batch_set`` puts back follows the store's put configuration, like every object
+    it writes: ``replica_num=2`` (two segments here: the module store's and this store's) gives
+    the seal two replicas."""
+    s = open_storage(module_master.spec(replica_num=2, global_segment_size=16 << 20), page_nbytes=NB, identity=TINY,
+                     page_format=MHA)
+    try:
+        h = fresh_hashes(1)[0]
+        page = pages(1, seed=20)[0]
+        sglang_writes(raw, h, page)
+        assert s.batch_set([h], [page]) == [True] and s.stats().resealed == 1
+        assert len(raw.get_replica_desc(objects(h)[2])) == 2
+    finally:
+        s.close(wait=True)
+
+
+def test_only_the_page_whose_seal_failed_is_rolled_back_in_a_batch(store, raw, monkeypatch):
+    """Two new pages in one write; the second page's seal finds no room: that page's objects are
+    removed again, the first page stays whole."""
+    hs = fresh_hashes(2)
+    pool = pages(2, seed=21)
+    tier = store._store
+    client = Wrapped(tier._store)
+
+    def batch_put_from(names, ptrs, sizes, config):
+        assert names == objects(hs[0]) + objects(hs[1])
+        return client._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config) + [conn.NO_SPACE]
+
+    client.batch_put_from = batch_put_from
+    monkeypatch.setattr(tier, "_store", client)
+    assert store.batch_set(hs, list(pool)) == [True, False]
+    monkeypatch.undo()
+    assert raw.batch_is_exist(objects(hs[0]) + objects(hs[1])) == [1, 1, 1, 0, 0, 0]

@@ -11,10 +11,12 @@ import hashlib
 import itertools
 import os
 import sys
+import threading
 import time
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from lifecycle_tools.testkit.mooncake_server import (  # noqa: F401 (fixtures)
     free_port, mooncake_master, mooncake_session_master, require_mooncake,
@@ -157,6 +159,32 @@ def test_sglang_pages_are_served_unverified_or_refused_in_strict_mode(store, mod
     finally:
         strict.close()
         raw.unregister_buffer(page.data_ptr())
+
+
+def test_unverified_pages_are_each_counted_and_warned_about_once_per_store(module_master, shared_store, raw):
+    """Every page served without a seal is counted ``unverified``; the store warns once, naming
+    the first such page (docs/storage.md: one warning per store)."""
+    hs = fresh_hashes(3)
+    pool = pages(3, seed=6)
+    half = NB // 2
+    raw.register_buffer(pool.data_ptr(), pool.numel())
+    s = open_storage(module_master.spec(global_segment_size=0), page_nbytes=NB, identity=TINY, page_format=MHA)
+    try:
+        for h, page in zip(hs, pool):
+            names = sglang_keys(h, "org/tiny", 1, mla=False)
+            assert raw.batch_put_from(names, [page.data_ptr(), page.data_ptr() + half], [half, half]) == [0, 0]
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(3)]
+        with capture_logs() as logs:
+            assert s.batch_get(hs[:2], out[:2]) == [True, True]
+            assert s.batch_get(hs[2:], out[2:]) == [True]
+        assert all(torch.equal(o, p) for o, p in zip(out, pool)) and s.stats().unverified == 3
+        warned = [{k: e.get(k) for k in ("event", "log_level", "name", "detail")}
+                  for e in logs if e.get("event") == "mooncake.unverified_page"]
+        assert warned == [{"event": "mooncake.unverified_page", "log_level": "warning", "name": f"org-tiny_{hs[0]}_1",
+                           "detail": "page without a seal (written by SGLang?) served; require_checksum=1 refuses them"}]
+    finally:
+        s.close()
+        raw.unregister_buffer(pool.data_ptr())
 
 
 def test_mla_pages_are_one_object(mooncake_master, raw):
@@ -361,9 +389,11 @@ def test_spec_parsing():
     s = parse_spec("mooncake://127.0.0.1:5000?replica_num=2&global_segment_size=1GiB&lazy=1")
     assert (s.master, s.replica_num, s.global_segment_size, s.lazy) == ("127.0.0.1:5000", 2, 1 << 30, True)
     assert parse_spec("mooncake://[::1]:7").master == "[::1]:7" and parse_size("64MB") == 64 << 20
+    flags = parse_spec("mooncake://h:1?lazy=TRUE&require_checksum=Yes&seal=off")
+    assert (flags.lazy, flags.require_checksum, flags.seal) == (True, True, False)  # any case
     for bad in ("mooncake://127.0.0.1", "mooncake://h:1?bogus=1", "mooncake://h:1?replica_num=0",
                 "mooncake://h:1?global_segment_size=lots", "mooncake://h:1/x", "mooncake://h:1?lazy=maybe",
-                "mooncake://h:1?protocol=udp", "mooncake://h:1?exists_timeout_s=-1",
+                "mooncake://h:1?protocol=udp", "mooncake://h:1?exists_timeout_s=-1", "mooncake://h:1?setup_timeout_s=0",
                 "mooncake://h:1?model=org/m"):  # identity options belong to open_storage
         with pytest.raises(StorageConfigError):
             parse_spec(bad)
@@ -411,6 +441,96 @@ def test_exists_counts_the_longest_stored_prefix_and_delete_reports(store):
     assert store.delete(h[1]) is True and store.delete(h[1]) is False
     assert store.batch_exists(h) == 1
     assert store.batch_get(h[:2], [p[2].clone(), p[2].clone()]) == [True, False]
+
+
+class Wrapped:
+    """A real client with some of its calls replaced (set as attributes)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def tier_down_errors(logs) -> list:
+    return [e["error"] for e in logs if e.get("event") == "storage.tier_down"]
+
+
+def test_exists_of_no_keys_is_zero_and_an_unconnected_store_says_which_call_it_refused():
+    require_mooncake()
+    s = open_storage(f"mooncake://127.0.0.1:{free_port()}?lazy=1", page_nbytes=NB, identity=M, page_format=MHA)
+    try:
+        assert s.batch_exists([]) == 0
+        with pytest.raises(StorageUnavailable, match=r"^mooncake storage at mooncake://127\.0\.0\.1:\d+ is unavailable \(exists\)$"):
+            s.batch_exists(fresh_hashes(1))
+        assert s.stats().unavailable == 1
+    finally:
+        s.close(wait=True)
+
+
+@pytest.fixture
+def own_store(module_master, shared_store):
+    """A store of its own (the test opens its breaker), placing objects on the module store's segment."""
+    s = open_storage(module_master.spec(global_segment_size=0, exists_timeout_s=0.2), page_nbytes=NB, identity=TINY,
+                     page_format=MHA)
+    yield s
+    s.close(wait=True)
+
+
+def test_a_master_gone_at_the_existence_check_is_a_typed_error_naming_the_step(own_store, monkeypatch):
+    client = Wrapped(own_store._store)
+    client.batch_is_exist = lambda names: [-900] * len(names)  # RPC_FAIL
+    monkeypatch.setattr(own_store, "_store", client)
+    with capture_logs() as logs, pytest.raises(StorageUnavailable, match=r"^mooncake storage at \S+ is unreachable \(exists\)$"):
+        own_store.batch_exists(fresh_hashes(2))
+    assert tier_down_errors(logs) == ["exists: RPC_FAIL(-900)"]
+
+
+def test_a_hung_existence_check_times_out_and_the_next_fails_fast_while_it_still_runs(own_store, monkeypatch):
+    """``exists_timeout_s`` (0.2 s here) bounds a check; the breaker opens; once it lets a probe
+    through, a check while the hung one still runs fails at once; each counted ``unavailable``."""
+    released = threading.Event()
+    client = Wrapped(own_store._store)
+
+    def hung(names):
+        released.wait(3.0)  # a master that accepted the call and does not answer
+        return client._client.batch_is_exist(names)
+
+    client.batch_is_exist = hung
+    monkeypatch.setattr(own_store, "_store", client)
+    base = own_store.stats().unavailable
+    try:
+        with capture_logs() as logs:
+            t = time.monotonic()
+            with pytest.raises(StorageUnavailable, match=r"^mooncake storage at \S+: existence check exceeded 0\.2 s$"):
+                own_store.batch_exists(fresh_hashes(1))
+            assert time.monotonic() - t < 1.0 and own_store.stats().unavailable == base + 1
+        assert tier_down_errors(logs) == ["existence check exceeded 0.2 s"]
+        time.sleep(max(0.0, own_store.breaker.retry_in()) + 0.05)  # half-open: the next call is a probe
+        t = time.monotonic()
+        with pytest.raises(StorageUnavailable, match=r"^mooncake storage at \S+: an existence check is still running$"):
+            own_store.batch_exists(fresh_hashes(1))
+        assert time.monotonic() - t < 0.5 and own_store.stats().unavailable == base + 2
+    finally:
+        released.set()
+
+
+def test_a_seal_object_of_another_size_is_a_corrupt_miss_logged_by_page_name(own_store, raw):
+    """A store of its own: ``mooncake.page_refused`` is rate-limited per store."""
+    h = fresh_hashes(1)[0]
+    page = pages(1, seed=7)[0]
+    assert own_store.batch_set([h], [page]) == [True]
+    _replace(raw, f"org-tiny_{h}_1_kvlp", torch.ones(50, dtype=torch.uint8))  # not our 104-byte seal
+    buf = page.clone()
+    with capture_logs() as logs:
+        assert own_store.batch_get([h], [buf]) == [False]
+    assert not buf.any() and own_store.stats().corrupt == 1
+    assert raw.batch_is_exist(sglang_keys(h, "org/tiny", 1, False)) == [1, 1]  # nothing removed
+    refused = [{k: e.get(k) for k in ("event", "log_level", "name", "verdict")}
+               for e in logs if e.get("event") == "mooncake.page_refused"]
+    assert refused == [{"event": "mooncake.page_refused", "log_level": "error", "name": f"org-tiny_{h}_1",
+                        "verdict": "corrupt"}]
 
 
 def test_setup_noise_is_dropped_and_every_other_stderr_line_kept():

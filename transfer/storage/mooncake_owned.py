@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from transfer.errors import StorageUnavailable
 from transfer.log import get_logger
 from transfer.storage import mooncake_conn as conn
 
@@ -45,7 +46,11 @@ class MooncakeOwnership:
     def _reseal(self, store, keys: Sequence[str], pages: Sequence[torch.Tensor], idx: list[int]) -> list[bool]:
         """Pages ``idx`` have every K/V object but no seal: read the objects back; where they are
         byte-identical to ``pages[i]``, store the seal again (``resealed``); elsewhere leave them
-        (``foreign``). Returns, per page of ``idx``, whether our page is stored afterwards."""
+        (``foreign``). Returns, per page of ``idx``, whether our page is stored afterwards.
+
+        Raises:
+            StorageUnavailable: the master did not answer the read or the put (an outage, not a
+                foreign page nor a failed page write; the breaker is told, as for the put)."""
         sizes_of = [pages[i].numel() * pages[i].element_size() for i in idx]
         scratch = torch.empty(sum(sizes_of), dtype=torch.uint8)
         names, ptrs, sizes, starts, pos = [], [], [], [], 0
@@ -58,7 +63,8 @@ class MooncakeOwnership:
             pos += nbytes
         with self._buffers.registered([scratch]):
             codes = store.batch_get_into(names, ptrs, sizes)
-        self._outcome(codes, "read before reseal")
+        if not self._outcome(codes, "read before reseal"):
+            raise StorageUnavailable(f"mooncake storage at {self.url} became unreachable during a write (reseal read)")
         ours = []
         for j, (i, nbytes) in enumerate(zip(idx, sizes_of)):
             whole = all(c == nbytes // kinds for c in codes[j * kinds:(j + 1) * kinds])
@@ -82,7 +88,8 @@ class MooncakeOwnership:
             seal_ptrs.append(seals.data_ptr() + n * self._SLOT)
         with self._buffers.registered([seals]):
             put = store.batch_put_from(seal_names, seal_ptrs, [self._SEAL_NBYTES] * len(ours), self._put_config)
-        self._outcome(put, "reseal")
+        if not self._outcome(put, "reseal"):
+            raise StorageUnavailable(f"mooncake storage at {self.url} became unreachable during a write (reseal)")
         for j, code in zip(ours, put):
             if code in (conn.OK, conn.EXISTS):
                 results[j] = True
