@@ -19,7 +19,9 @@ mutmut runs only the mutants that have no outcome yet). ``--resume-from REV`` st
 the library files are replaced by this commit's (mutmut regenerates them and resets the outcomes
 of every function whose code changed), the tests are this commit's (new tests get their stats
 run), and REV's survivors that kept their outcome are run again by name. A killed mutant of an
-unchanged function stays killed: tests are only ever added or tightened. ``--report-only`` reprints a finished run's table.
+unchanged function stays killed: tests are only ever added or tightened. The resumed snapshot keeps
+REV's ``[tool.mutmut]`` settings (pytest arguments, test files): mutmut throws away every outcome of
+a group whose settings changed, so test files added since REV are not run (they are listed). ``--report-only`` reprints a finished run's table.
 Survivor diffs go to ``{workdir}/{commit}/{group}.survivors.txt`` and all outcomes to
 ``{workdir}/{commit}/results.json``.
 """
@@ -135,6 +137,29 @@ def overlay(commit: str, dest: Path, previous: Path) -> None:
             os.utime(f, (now, now))
 
 
+def carry_settings(old: Path, new: Path) -> None:
+    """Give the resumed snapshot's pyproject (``new``: the commit's own) the previous run's
+    ``[tool.mutmut]`` section and pytest timeout line, unchanged. mutmut fingerprints its pytest
+    arguments and test selection, and a changed fingerprint throws away every recorded outcome
+    of the group: a resumed run keeps the settings its outcomes were obtained with."""
+    before = old.read_text()
+    section = before[before.index("\n[tool.mutmut]"):]
+    timeout = next(line for line in before.splitlines() if line.startswith("timeout = "))
+    text = new.read_text()
+    if "[tool.mutmut]" in text:
+        raise SystemExit(f"{new} already has [tool.mutmut]: bench/mutation.py owns that section")
+    text = text.replace("[tool.pytest.ini_options]\n", f"[tool.pytest.ini_options]\n{timeout}\n", 1)
+    new.write_text(text + section)
+
+
+def mutmut_section_list(pyproject: Path, key: str) -> list[str]:
+    """A list value of the ``[tool.mutmut]`` section as written by ``configure``."""
+    for line in pyproject.read_text().split("[tool.mutmut]", 1)[1].splitlines():
+        if line.startswith(f"{key} = "):
+            return json.loads(line.split(" = ", 1)[1])
+    return []
+
+
 def _mutmut(snapshot: Path, env: dict, log: Path, args: list[str]) -> int:
     with open(log, "ab") as out:  # its own process group: stopping the campaign stops its workers
         proc = subprocess.Popen([str(Path(sys.executable).with_name("mutmut")), *args], cwd=snapshot,
@@ -151,15 +176,22 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     snapshot = commit_dir / group
     survived_before = []
     continuing = resume and (snapshot / "mutants").is_dir()
+    resumed = not continuing and previous is not None and (previous / group).is_dir()
     if continuing:
         pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet
-    elif previous is not None and (previous / group).is_dir():
+    elif resumed:
         old = json.loads((previous / "results.json").read_text()) if (previous / "results.json").exists() else []
         survived_before = [m for r in old if r["group"] == group for m, s in r["outcomes"].items() if s == "survived"]
         overlay(commit, snapshot, previous / group)
+        carry_settings(previous / group / "pyproject.toml", snapshot / "pyproject.toml")
     else:
         snapshot_of(commit, snapshot)
-    modules, tests = configure(snapshot, group, write=not continuing)
+    modules, tests = configure(snapshot, group, write=not continuing and not resumed)
+    if resumed:
+        kept = set(mutmut_section_list(snapshot / "pyproject.toml", "pytest_add_cli_args_test_selection"))
+        if set(tests) - kept:
+            print(f"  {group}: test files new since {previous.name} are not run (the selection is kept so "
+                  f"mutmut keeps its outcomes): {sorted(set(tests) - kept)}", flush=True)
     mutmut = Path(sys.executable).with_name("mutmut")
     # mutmut puts mutants/ first on sys.path itself (a PYTHONPATH entry breaks its test run).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -192,3 +192,21 @@ def test_the_plugin_reorders_a_real_run_and_leaves_it_alone_without_stats(tmp_pa
     (tmp_path / "mutmut-stats.json").write_text(json.dumps({"duration_by_test": {
         "test_t.py::test_t[a]": 3.0, "test_t.py::test_t[b]": 1.0, "test_t.py::test_t[c]": 2.0}}))
     assert ran() == ["b", "c", "a"]
+
+
+def test_a_resumed_snapshot_keeps_the_settings_its_outcomes_were_obtained_with(tmp_path):
+    old, new = tmp_path / "old.toml", tmp_path / "new.toml"
+    old.write_text("[project]\nname = 'x'\n\n[tool.pytest.ini_options]\ntimeout = 30\naddopts = ''\n"
+                   '\n[tool.mutmut]\npytest_add_cli_args = ["-x"]\n'
+                   'pytest_add_cli_args_test_selection = ["tests/test_a.py"]\n')
+    new.write_text("[project]\nname = 'x'\nversion = '2'\n\n[tool.pytest.ini_options]\naddopts = ''\n")
+    mutation.carry_settings(old, new)
+    text = new.read_text()
+    assert "version = '2'" in text                                  # the commit's own project table
+    assert "[tool.pytest.ini_options]\ntimeout = 30\naddopts = ''\n" in text
+    assert text.endswith('\n[tool.mutmut]\npytest_add_cli_args = ["-x"]\n'
+                         'pytest_add_cli_args_test_selection = ["tests/test_a.py"]\n')
+    assert mutation.mutmut_section_list(new, "pytest_add_cli_args_test_selection") == ["tests/test_a.py"]
+    assert mutation.mutmut_section_list(new, "only_mutate") == []
+    with pytest.raises(SystemExit, match="already has"):
+        mutation.carry_settings(old, new)
