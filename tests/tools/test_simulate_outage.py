@@ -106,9 +106,12 @@ def check_warnings_bounded(stderr, report):
     failed = by_event["offloader.storage_failed"]
     p = report["passes"][0]
     assert p["storage_failures"] > 2 * windows                  # the flood this replaces: one line each
-    # the summary counts every failure: lines that are occurrences + the occurrences they summarise
-    assert sum(not e.get("summary") for e in failed) + sum(e.get("suppressed", 0) for e in failed) \
-        == p["storage_failures"]
+    # the summary counts every failure: lines that are occurrences + the occurrences they summarise.
+    # The report counts failures up to the end of the drain; a write the drain cut off (counted in
+    # storage_ops_cut_off) may still fail while the stack shuts down, and is logged then too.
+    logged = sum(not e.get("summary") for e in failed) + sum(e.get("suppressed", 0) for e in failed)
+    assert p["storage_failures"] <= logged <= p["storage_failures"] + p["storage_ops_cut_off"], \
+        (logged, p["storage_failures"], p["storage_ops_cut_off"])
 
 
 def test_server_hung_mid_run(server, tmp_path):
