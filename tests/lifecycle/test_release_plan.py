@@ -191,3 +191,15 @@ def test_slots_freed_behind_the_managers_back_refuse_the_release_and_keep_the_ro
     with pytest.raises(ReleaseRefused, match=rf"request 's': cannot free its slots \(row {row}\): pages"):
         rig.mgr.finalize_release_on_finish(req)
     assert req.kv.req_pool_idx == row and rig.pool._held[row]
+
+
+def test_a_refusal_names_the_row_it_read():
+    rig = make_bare(4)
+    req, _ = place(rig, "w", 8, 8)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 6] = rig.pool.req_to_token[row, 2]
+    with pytest.raises(InvalidRequest, match=rf"request 'w': row {row} lists 1 slot ids more than once"):
+        rig.mgr.finalize_release_on_finish(req)
+    rig.pool.req_to_token[row, 3] = -1
+    with pytest.raises(InvalidRequest, match=rf"request 'w': row {row} lists slot -1 at a position to free"):
+        rig.mgr.finalize_release_on_finish(req)
