@@ -16,7 +16,7 @@ from lifecycle import InvalidRequest, InvalidTransition, State
 from lifecycle.errors import InvalidToken
 from lifecycle_tools.testkit.doubles import Req
 from tests.support.real_rig import Rig
-from transfer import PagedTokenAllocator, ReqToTokenPool
+from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
 
 PS = 4
 
@@ -132,3 +132,64 @@ def test_a_request_another_manager_holds_is_refused_without_touching_it():
     assert a.mgr.state_of(req) is State.RELEASED and b.mgr.state_of(req) is None
     with pytest.raises(InvalidTransition):
         a.mgr.offload_kv_cache(req)
+
+
+class StoringOffloader(InMemoryOffloader):
+    """Keeps what each storage write was given: tokens, page hashes and the parent page."""
+
+    stores_parent_hash = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.writes_seen = []
+
+    def write_storage(self, host_indices, tokens, page_hashes, parent_hash=None):
+        self.writes_seen.append((list(tokens), list(page_hashes), parent_hash))
+        return super().write_storage(host_indices, tokens, page_hashes)
+
+
+def storing_rig(**kw):
+    return Rig(PS, offloader=StoringOffloader(page_size=PS, host_pages=64, auto_land=True), **kw)
+
+
+def test_output_ids_in_a_tuple_are_offloaded_as_their_tokens():
+    rig = storing_rig()
+    req, _ = rig.admit("t", 8, 16, outputs=(7000,))
+    req.output_ids = tuple(7000 + i for i in range(5))
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 12
+    assert rig.mgr.offload_kv_cache(req)
+    rig.progress()
+    prior = page_hashes(list(range(1000, 1008)), PS, rig.mgr.namespace_seed)[-1]
+    ((tokens, names, _),) = rig.off.writes_seen
+    assert tokens == [7000, 7001, 7002, 7003] and names == page_hashes(tokens, PS, prior)
+
+
+def test_numpy_integer_tokens_continue_the_requests_hash_chain():
+    import numpy as np
+
+    rig = storing_rig()
+    req, _ = rig.admit("n", 8, 16, outputs=(7000,))
+    for t in range(7001, 7005):
+        req.decode(np.int64(t))
+        rig.mgr.offload_kv_cache(req)
+    rig.progress()
+    prior = page_hashes(list(range(1000, 1008)), PS, rig.mgr.namespace_seed)[-1]
+    ((tokens, names, _),) = rig.off.writes_seen
+    assert tokens == [7000, 7001, 7002, 7003] and names == page_hashes(tokens, PS, prior)
+
+
+@pytest.mark.parametrize("seed", [None, "5e" * 32])
+def test_each_stored_chunk_names_the_page_before_it_and_a_first_page_none(seed):
+    """A namespace seed is the chain's prior, not a page: the first page's parent is None."""
+    rig = storing_rig(namespace_seed=seed)
+    short, _ = rig.admit("s", 3, 16, outputs=(7000,))   # no prompt page: the chain starts at the seed
+    rig.decode(short, 8)                                 # two chunks: [0, 4) and [4, 8)
+    rig.progress()
+    long, _ = rig.admit("l", 8, 16, outputs=(7000,))    # a prompt page before the first chunk
+    rig.decode(long, 4)
+    rig.progress()
+    (t1, n1, p1), (t2, n2, p2), (t3, n3, p3) = rig.off.writes_seen
+    assert p1 is None and n1 == page_hashes(t1, PS, rig.mgr.namespace_seed)
+    assert p2 == n1[-1] and n2 == page_hashes(t2, PS, n1[-1])
+    prompt_tail = page_hashes(list(range(1000, 1008)), PS, rig.mgr.namespace_seed)[-1]
+    assert p3 == prompt_tail and n3 == page_hashes(t3, PS, prompt_tail)
