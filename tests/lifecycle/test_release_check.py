@@ -299,3 +299,47 @@ def test_a_device_row_with_a_stuck_copy_frees_through_the_allocator_around_the_q
     rig.progress()
     assert rig.alloc.available_size() == before + 12
     rig.alloc.check_integrity()
+
+
+def test_a_row_with_two_kinds_of_bad_ids_reports_both_and_why_it_was_not_refused():
+    rig = device_rig()
+    req = finished(rig, "two", bad=-1, at=5)
+    row = req.kv.req_pool_idx
+    table = rig.pool.req_to_token
+    table[row, 6] = table[row, 1]
+    with capture_logs() as logs, no_host_sync():
+        rig.mgr.finalize_release_on_finish(req)
+        rig.mgr.check_offload_progress()
+    (event,) = bad_rows(logs)
+    assert event["problem"] == (
+        "1 negative slot ids (smallest -1; -1: KV never allocated there); "
+        f"1 slot ids listed more than once (e.g. {int(table[row, 1])}; a cleared or overwritten row)")
+    assert event["why"] == "checked on the device after the release was issued: reported, not refused"
+
+
+def test_verdicts_are_kept_unread_up_to_the_bound_and_read_when_it_is_passed(monkeypatch):
+    monkeypatch.setattr(settle, "MAX_RELEASE_CHECKS", 2)
+    rig = device_rig()
+    reqs = [finished(rig, f"r{i}", bad=-1) for i in range(3)]
+    with capture_logs() as logs, no_host_sync():
+        rig.mgr.finalize_release_on_finish(reqs[0])
+        rig.mgr.finalize_release_on_finish(reqs[1])
+        assert len(rig.mgr._release_checks) == 2 and rig.mgr.stats().bad_release_rows == 0  # at the bound
+        rig.mgr.finalize_release_on_finish(reqs[2])  # past it: the landed verdicts are read now
+    assert rig.mgr.stats().bad_release_rows == 3 and not rig.mgr._release_checks
+    assert [e for e in logs if e["event"] == audit.RELEASE_CHECKS_UNREAD] == []
+
+
+def test_dropped_verdicts_say_why(events, monkeypatch):
+    monkeypatch.setattr(settle, "MAX_RELEASE_CHECKS", 1)
+    rig = device_rig()
+    a, b = finished(rig, "a", bad=-1), finished(rig, "b", bad=-1)
+    with capture_logs() as logs, no_host_sync():
+        rig.mgr.finalize_release_on_finish(a)
+        rig.mgr.finalize_release_on_finish(b)    # none landed: the oldest dropped unread
+    (bound,) = [e for e in logs if e["event"] == audit.RELEASE_CHECKS_UNREAD]
+    assert bound["why"] == "more than 1 released device rows not yet checked: is check_offload_progress called?"
+    with capture_logs() as at_shutdown:
+        rig.mgr.shutdown()
+    (final,) = [e for e in at_shutdown if e["event"] == audit.RELEASE_CHECKS_UNREAD]
+    assert final["unread"] == 1 and final["why"] == "shutdown: their verdict had not landed"

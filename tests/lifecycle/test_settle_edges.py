@@ -219,3 +219,17 @@ def test_a_call_back_into_the_manager_during_progress_is_refused_and_changes_not
     rig.progress()
     assert [type(e) for e in rig.off.errors] == [ReentrantCall]
     assert rig.mgr.stats().chunks_enqueued == before
+
+
+def test_a_failed_copy_is_settled_once_and_leaves_nothing_behind():
+    rig = Rig(PS)
+    req, _ = rig.admit("f", 8, 16)
+    rig.decode(req, 4)                                   # ack 1
+    rig.off.fail([1])
+    rig.progress()
+    assert rig.mgr.stats().copy_failures == 1 and rig.off.pending_storage == {}
+    assert not rig.mgr._failed and not rig.mgr._ongoing  # no per-copy trace kept once settled
+    rig.decode(req, 4, first=7005)                       # the next chunk: ack 2, landed and stored
+    rig.off.land([2])
+    rig.progress()
+    assert rig.mgr.stats().copy_failures == 1 and len(rig.off.pending_storage) == 1
