@@ -156,3 +156,29 @@ def test_what_refers_back_to_the_manager_refers_to_the_copy_in_the_copy():
     twin, a2 = copy.deepcopy((node.mgr, a))
     assert twin.release_sink is not node.mgr.release_sink and twin.release_sink.owner is twin
     assert node.mgr.release_sink.owner is node.mgr
+
+
+def test_a_record_whose_request_is_gone_is_not_found_for_an_object_reusing_its_id():
+    """``lookup`` answers for the object it is given: a record keyed by an id its own request no
+    longer has (the id reused by another object) is nobody's record."""
+    node = Node(page_size=4)
+    a, b = Req("a", range(4), row=0), Req("b", range(4), row=1)
+    node.mgr.offload_kv_cache(a)
+    node.mgr._records[id(b)] = node.mgr._records[id(a)]   # as if b had a's id after a was dropped
+    assert table.lookup(node.mgr, b) is None and table.lookup(node.mgr, a) is node.mgr._records[id(a)]
+
+
+def test_draining_a_drop_retires_only_the_record_that_ref_belongs_to():
+    import collections
+    import weakref
+    from types import SimpleNamespace
+
+    class Obj:
+        pass
+
+    stale, live_obj = Obj(), Obj()
+    live = SimpleNamespace(ref=weakref.KeyedRef(live_obj, None, 7), state=State.RELEASED)
+    mgr = SimpleNamespace(_dropped=collections.deque([weakref.KeyedRef(stale, None, 7), weakref.KeyedRef(stale, None, 8)]),
+                          _records={7: live}, _by_name={"RELEASED": 1}, _leaked=0)
+    table.drain_dropped(mgr)                       # key 7: another request's record; key 8: none left
+    assert mgr._records == {7: live} and not mgr._dropped and mgr._leaked == 0
