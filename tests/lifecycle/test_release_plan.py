@@ -203,3 +203,29 @@ def test_a_refusal_names_the_row_it_read():
     rig.pool.req_to_token[row, 3] = -1
     with pytest.raises(InvalidRequest, match=rf"request 'w': row {row} lists slot -1 at a position to free"):
         rig.mgr.finalize_release_on_finish(req)
+
+
+@pytest.mark.parametrize("says, returned", [(None, 4), (True, 4), (False, 0)])
+def test_quarantined_slots_come_back_when_the_copy_ends_unless_the_sink_said_it_freed_nothing(says, returned):
+    """``ReleaseSink.free`` returning False: the scheduler frees this request's KV itself, so the
+    slots a stuck copy still reads stay the scheduler's; None or True: the manager frees them once
+    the copy ends."""
+
+    class Saying(AllocatorReleaseSink):
+        def free(self, plan):
+            super().free(plan)
+            return says
+
+    alloc, pool = PagedTokenAllocator(4 * 64, 4), ReqToTokenPool(4, 64)
+    rig = Rig(4, pool=pool, alloc=alloc, release_sink=Saying(pool, alloc))
+    req, _ = rig.admit("q", 8, 12)
+    rig.decode(req, 4)                               # ack 1 reads positions 8..11
+    rig.off.expire([1])
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    rig.progress()
+    assert rig.mgr.state_of(req) is State.RELEASED
+    before = alloc.available_size()
+    rig.off.land([1])
+    rig.progress()                                   # the stuck copy ends
+    assert alloc.available_size() == before + returned
