@@ -193,3 +193,47 @@ def test_each_stored_chunk_names_the_page_before_it_and_a_first_page_none(seed):
     assert p2 == n1[-1] and n2 == page_hashes(t2, PS, n1[-1])
     prompt_tail = page_hashes(list(range(1000, 1008)), PS, rig.mgr.namespace_seed)[-1]
     assert p3 == prompt_tail and n3 == page_hashes(t3, PS, prompt_tail)
+
+
+@pytest.mark.parametrize("field, words", [("kv_committed_len", "committed"), ("kv_allocated_len", "allocated")])
+def test_a_tracked_request_whose_kv_length_is_not_an_int_is_refused_by_name(field, words):
+    import numpy as np
+
+    rig = Rig(PS)
+    req, _ = rig.admit("k", 8, 16)
+    assert rig.decode(req, 3) == [False] * 3            # tracked, no chunk due yet
+    req.decode(7004)                                    # a chunk due: the request is read
+    value = getattr(req.kv, field)
+    setattr(req.kv, field, np.int64(value))             # an int-like, not an int
+    with pytest.raises(InvalidRequest, match=rf"request 'k': kv {words} length np\.int64\({value}\) is not a non-negative int"):
+        rig.mgr.offload_kv_cache(req)
+    setattr(req.kv, field, value)
+    assert rig.mgr.offload_kv_cache(req)                # repaired: works
+
+
+def test_a_non_callable_effective_length_attribute_is_ignored():
+    rig = Rig(PS)
+    req, _ = rig.admit("e", 8, 16)
+    rig.decode(req, 1)
+    req.effective_kv_committed_len = 3                  # an attribute, not SGLang's method
+    assert rig.decode(req, 3, first=7002) == [False, False, True]   # kv_committed_len counts
+    assert rig.mgr.progress_of(req).inc_len == 4
+
+
+def test_a_request_allocated_to_the_full_row_width_is_accepted():
+    rig = Rig(PS, width=16)
+    req, _ = rig.admit("w", 8, 16)
+    assert rig.decode(req, 3) == [False] * 3
+    req.decode(7004)                                    # a chunk due: the request is read
+    req.kv.kv_allocated_len = 17
+    with pytest.raises(InvalidRequest, match=r"request 'w': allocated 17 exceeds the row width 16"):
+        rig.mgr.offload_kv_cache(req)
+    req.kv.kv_allocated_len = 16                        # speculative slots up to the row's end
+    assert rig.mgr.offload_kv_cache(req)
+
+
+def test_a_request_first_seen_allocated_to_the_full_row_width_is_accepted():
+    rig = Rig(PS, width=16)
+    req, _ = rig.admit("f", 8, 16, outputs=tuple(range(7000, 7005)))
+    req.kv.kv_allocated_len = 16                        # committed 12, speculative slots to the row's end
+    assert rig.mgr.offload_kv_cache(req) and rig.mgr.progress_of(req).inc_len == 4
