@@ -203,3 +203,44 @@ def test_allocator_rejects_bad_indices_and_changes_nothing(indices, error):
     with pytest.raises(DoubleFree):
         alloc.free(got)
     alloc.check_integrity()
+
+
+def _row_pool(**kw):
+    return types.SimpleNamespace(**{"req_to_token": torch.zeros(2, 8, dtype=torch.int32), "free": lambda r: None, **kw})
+
+
+def _allocator(**kw):
+    return types.SimpleNamespace(**{"free": lambda s: None, **kw})
+
+
+@pytest.mark.parametrize("pool, alloc, message", [
+    (types.SimpleNamespace(free=lambda r: None), _allocator(), "req_to_token_pool.req_to_token must be a 2-D tensor"),
+    (_row_pool(req_to_token=torch.zeros(2, 8, dtype=torch.bool)), _allocator(),
+     "req_to_token_pool.req_to_token must hold integer slots, not torch.bool"),
+    (types.SimpleNamespace(req_to_token=torch.zeros(2, 8, dtype=torch.int32)), _allocator(),
+     "req_to_token_pool has no free(req)"),
+    (_row_pool(), object(), "token_to_kv_pool_allocator has no free(indices)"),
+    (_row_pool(), _allocator(page_size=-4), "token_to_kv_pool_allocator.page_size must be a positive int, got -4"),
+    (_row_pool(), _allocator(page_size="4"), "token_to_kv_pool_allocator.page_size must be a positive int, got '4'"),
+    (_row_pool(), _allocator(page_size=True), "token_to_kv_pool_allocator.page_size must be a positive int, got True"),
+    (_row_pool(), _allocator(page_size=8), "the allocator's page (8 slots) does not divide the manager's page_size (4): "
+     "a stuck copy's quarantined slots would share allocator pages with slots freed at release"),
+], ids=["no-table", "bool-table", "no-row-free", "no-slot-free", "negative-page", "str-page", "bool-page", "page-8"])
+def test_bad_pools_are_refused_with_what_is_wrong(pool, alloc, message):
+    with pytest.raises(ConfigError) as err:
+        DecodeOffloadManager(pool, alloc, page_size=4, offloader=Node().off)
+    assert str(err.value) == message
+
+
+def test_an_allocator_without_a_page_size_pages_by_single_slots():
+    mgr = DecodeOffloadManager(_row_pool(), _allocator(), page_size=3, offloader=Node(page_size=3).off)
+    assert mgr._alloc_page == 1
+
+
+def test_a_missing_offloader_and_missing_offloader_methods_are_named():
+    with pytest.raises(ConfigError) as err:
+        DecodeOffloadManager(_row_pool(), _allocator(), page_size=4, offloader=None)
+    assert str(err.value) == "no offloader: pass offloader=, or use DecodeOffloadManager.from_stack(build_stack(...))"
+    with pytest.raises(ConfigError) as err:
+        DecodeOffloadManager(_row_pool(), _allocator(), page_size=4, offloader=object())
+    assert str(err.value) == "offloader lacks write, finished_writes, write_storage, finished_storage, free_host"

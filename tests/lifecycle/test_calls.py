@@ -99,3 +99,26 @@ def test_host_short_warns_once_per_interval_counting_from_the_last_warning_inclu
     assert warnings == [(1, 1, 60.0, "warning"), (2, 3, 60.0, "warning"), (2, 5, 60.0, "warning")]
     assert [e["start"] for e in logs if e["event"] == audit.HOST_SHORT] == [8] * 5
     assert rig.mgr.stats().host_short == 5 and rig.mgr.state_of(req) is State.PREFILLED
+
+
+def test_a_release_sink_calling_back_into_the_manager_is_refused_as_reentrant():
+    from lifecycle.release import AllocatorReleaseSink
+    from transfer import PagedTokenAllocator, ReqToTokenPool
+
+    seen = []
+
+    class CallingBack(AllocatorReleaseSink):
+        def free(self, plan):
+            try:
+                rig.mgr.pending()
+            except ReentrantCall as err:
+                seen.append(err)
+            super().free(plan)
+
+    alloc, pool = PagedTokenAllocator(4 * 64, 4), ReqToTokenPool(4, 64)
+    rig = Rig(4, pool=pool, alloc=alloc, release_sink=CallingBack(pool, alloc))
+    req, _ = rig.admit("r", 8, 8)
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    assert len(seen) == 1 and "while another call of the same manager is running" in str(seen[0])
+    assert rig.mgr.pending().copies == 0                 # outside a call: allowed

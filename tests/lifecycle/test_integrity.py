@@ -129,3 +129,16 @@ def test_pending_names_each_kind_of_pending_work_in_one_line():
         "1 finished requests holding slots (1 only waiting for check_offload_progress)",
         "4 slots quarantined by expired copies",
     ]
+
+
+def test_unsettled_counts_finished_storage_writes_not_yet_settled():
+    rig = Rig(4)
+    req, _ = rig.admit("s", 8, 16)
+    rig.decode(req, 4)
+    rig.off.land()
+    rig.progress()                                   # landed: its storage write submitted
+    rig.off.complete_storage()
+    rig.mgr.pending()                                # collects the finished write, settles nothing
+    assert rig.mgr.stats().unsettled == 1
+    rig.progress()
+    assert rig.mgr.stats().unsettled == 0

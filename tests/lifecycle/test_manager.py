@@ -20,6 +20,7 @@ from lifecycle import (
 from lifecycle.records import RecordView
 from tests.conftest import Node
 from lifecycle_tools.testkit.doubles import DoubleFree, EffectiveReq, Req
+from transfer import InMemoryOffloader
 
 P, O, I, F, R = State.PREFILLED, State.OFFLOADING, State.INFLIGHT, State.FINISHED, State.RELEASED
 
@@ -686,3 +687,27 @@ def test_sglang_style_mock_request_releases_committed_and_over_allocation():
     assert node.pool.freed_rows == [0] and node.mgr.state_of(req) is R
     with pytest.raises(InvalidTransition, match="already released"):
         node.mgr._release_finished_req(req)
+
+
+class ReportsAnUnknownLanding(InMemoryOffloader):
+    """Reports, once, the landing of a copy it never issued."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.lie = [99]
+
+    def finished_writes(self):
+        out, self.lie = super().finished_writes() + self.lie, []
+        return out
+
+
+def test_a_reported_landing_not_settled_yet_keeps_the_manager_busy():
+    from tests.support.real_rig import Rig
+
+    rig = Rig(4, offloader=ReportsAnUnknownLanding(page_size=4, host_pages=64, auto_land=False))
+    assert rig.mgr.pending().unsettled == 1 and not rig.mgr.idle()   # collected, not settled
+    with pytest.raises(LifecycleError, match="1 completions reported but never settled"):
+        rig.mgr.shutdown()
+    with pytest.raises(UnknownCompletion, match=r"\('ack', 99\)"):
+        rig.progress()
+    assert rig.mgr.idle() and rig.mgr.shutdown().unsettled == 0

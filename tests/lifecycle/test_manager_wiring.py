@@ -59,3 +59,55 @@ def test_a_request_may_allocate_its_whole_row():
     rig.off.land()
     rig.progress()
     assert rig.mgr.state_of(req) is State.RELEASED
+
+
+def test_the_default_page_size_is_16_and_the_device_pools_slot_count_comes_from_the_offloader():
+    from types import SimpleNamespace
+
+    from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+
+    alloc, pool = PagedTokenAllocator(4 * 64, 16), ReqToTokenPool(4, 64)
+    off = InMemoryOffloader(page_size=16, host_pages=8)
+    off.kv = SimpleNamespace(slots=100)                  # the device KV pool, as transfer.KVPool tells it
+    mgr = DecodeOffloadManager(pool, alloc, offloader=off)
+    assert mgr.page_size == 16 and mgr._slot_end == 100
+
+
+def test_events_go_to_the_stdlib_logger_named_lifecycle_when_structlog_is_not_configured(caplog):
+    import logging
+
+    import structlog
+
+    from lifecycle import InvalidTransition
+
+    rig = Rig(4)
+    req, _ = rig.admit("l", 8, 16)
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    saved = structlog.get_config()                       # the suite's configuration (tests/conftest.py)
+    structlog.reset_defaults()                           # as in an application that never configured it
+    try:
+        with caplog.at_level(logging.INFO, logger="lifecycle"):
+            with pytest.raises(InvalidTransition):
+                rig.mgr.finalize_release_on_finish(req)  # refused: an INFO audit event
+    finally:
+        structlog.configure(**saved)
+    assert [(r.name, r.event_dict["trigger"]) for r in caplog.records] == [("lifecycle", "finish")]
+
+
+def test_a_dropped_request_is_reported_with_the_slots_it_held_at_its_last_call():
+    import gc
+
+    from structlog.testing import capture_logs
+
+    rig = Rig(4)
+    req, _ = rig.admit("d", 8, 16, outputs=(7000,))     # one output: nothing due yet
+    assert not rig.mgr.offload_kv_cache(req)
+    req.kv.kv_allocated_len = 12                         # speculative slots since
+    assert not rig.mgr.offload_kv_cache(req)
+    del req
+    gc.collect()
+    with capture_logs() as logs:
+        assert rig.mgr.stats().leaked == 1
+    (leak,) = [e for e in logs if e["event"] == "lifecycle.leaked"]
+    assert leak["slots"] == 12 and leak["state"] == "PREFILLED"

@@ -9,10 +9,12 @@ configuration error; a row moved without ``readmit`` is refused by name.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lifecycle import ConfigError, DecodeOffloadManager, InvalidRequest
 from lifecycle.errors import InvalidToken
 from lifecycle_tools.testkit.doubles import Req
+from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
 from tests.support.real_rig import Rig
 from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
 
@@ -83,3 +85,38 @@ def test_a_row_moved_without_readmit_is_refused_by_name():
     req.kv.req_pool_idx = rig.pool.alloc()
     with pytest.raises(InvalidRequest, match=r"request 'm': row changed from 0 to 1 without readmit"):
         rig.mgr.offload_kv_cache(req)
+
+
+class IndexKeeper(InMemoryOffloader):
+    """Keeps the slot tensor each copy was handed."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.handed = []
+
+    def write(self, device_indices, ack_id):
+        self.handed.append(device_indices)
+        return super().write(device_indices, ack_id)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_device_rows_chunk_slots_are_a_fresh_int64_copy(dtype):
+    """A device row is never read on the host; the copy gets the chunk's ids as int64, copied out
+    of the row (a row rewritten while the copy is in flight does not change what it reads)."""
+    off = IndexKeeper(page_size=4, host_pages=64, auto_land=False)
+    pool = ReqToTokenPool(4, 64)
+    pool.req_to_token = pool.req_to_token.to(dtype)
+    rig = Rig(4, pool=pool, offloader=off)
+    req, slots = rig.admit("d", 8, 16)
+    rig.pool.req_to_token = as_device_resident(rig.pool.req_to_token)
+    rig.mgr.req_to_token_pool = rig.pool
+    row = req.kv.req_pool_idx
+    for t in range(7001, 7005):
+        req.decode(t)
+        with no_host_sync():
+            rig.mgr.offload_kv_cache(req)
+    (handed,) = off.handed
+    want = [int(s) for s in slots[8:12]]
+    assert handed.dtype == torch.int64 and handed.tolist() == want
+    rig.pool.req_to_token[row, 8:12] = -1
+    assert handed.tolist() == want

@@ -244,3 +244,102 @@ def test_a_refused_shutdown_keeps_the_unread_verdicts(events):
     with pytest.raises(Exception, match="shutdown refused"):
         rig.mgr.shutdown()
     assert len(rig.mgr._release_checks) == 1
+
+
+class PlanSink(RangeSink):
+    """A ``RangeSink`` that keeps the plans it freed."""
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.plans = []
+
+    def free(self, plan):
+        self.plans.append(plan)
+        super().free(plan)
+
+
+def test_a_device_row_with_an_over_allocation_is_checked_over_both_ranges_as_int64():
+    """committed 6, allocated 12 (page 4): ranges (0, 6) and (8, 12); a -1 in the second range is
+    reported, and the plan's ids are the row's ids of both ranges, int64 (the row is int32)."""
+    rig = device_rig()
+    rig.mgr.release_sink = sink = PlanSink(rig.pool)
+    req, slots = rig.admit("spec", 6, 12, spec=6)
+    req.finish()
+    row = req.kv.req_pool_idx
+    table = rig.pool.req_to_token
+    assert table.dtype == torch.int32
+    table[row, 9] = -1
+    want = [int(table[row, p]) for p in (*range(0, 6), *range(8, 12))]
+    with capture_logs() as logs:
+        with no_host_sync():
+            rig.mgr.finalize_release_on_finish(req)
+            rig.mgr.check_offload_progress()
+    (plan,) = sink.plans
+    assert plan.ranges == ((0, 6), (8, 12)) and plan.slots.dtype == torch.int64
+    assert plan.slots.tolist() == want
+    (event,) = bad_rows(logs)
+    assert event["rid"] == "spec" and event["negative"] == 1 and event["ranges"] == [(0, 6), (8, 12)]
+
+
+def test_a_device_row_with_a_stuck_copy_frees_through_the_allocator_around_the_quarantine():
+    """The one host read of a device row: an expired copy's slots are left out, the rest freed
+    by the default sink (through the allocator), the quarantined ones once the copy ends."""
+    rig = Rig(PS)
+    rig.pool.req_to_token = as_device_resident(rig.pool.req_to_token)
+    req, slots = rig.admit("q", 8, 16)
+    rig.decode(req, 4)                                # ack 1 reads positions 8..11
+    rig.off.expire([1])
+    req.finish()
+    before = rig.alloc.available_size()
+    rig.mgr.finalize_release_on_finish(req)
+    rig.progress()
+    assert rig.mgr.stats().released == 1 and req.kv.req_pool_idx is None
+    assert rig.alloc.available_size() == before + 8  # 12 slots allocated, 4 read by the stuck copy
+    rig.off.land([1])
+    rig.progress()
+    assert rig.alloc.available_size() == before + 12
+    rig.alloc.check_integrity()
+
+
+def test_a_row_with_two_kinds_of_bad_ids_reports_both_and_why_it_was_not_refused():
+    rig = device_rig()
+    req = finished(rig, "two", bad=-1, at=5)
+    row = req.kv.req_pool_idx
+    table = rig.pool.req_to_token
+    table[row, 6] = table[row, 1]
+    with capture_logs() as logs, no_host_sync():
+        rig.mgr.finalize_release_on_finish(req)
+        rig.mgr.check_offload_progress()
+    (event,) = bad_rows(logs)
+    assert event["problem"] == (
+        "1 negative slot ids (smallest -1; -1: KV never allocated there); "
+        f"1 slot ids listed more than once (e.g. {int(table[row, 1])}; a cleared or overwritten row)")
+    assert event["why"] == "checked on the device after the release was issued: reported, not refused"
+
+
+def test_verdicts_are_kept_unread_up_to_the_bound_and_read_when_it_is_passed(monkeypatch):
+    monkeypatch.setattr(settle, "MAX_RELEASE_CHECKS", 2)
+    rig = device_rig()
+    reqs = [finished(rig, f"r{i}", bad=-1) for i in range(3)]
+    with capture_logs() as logs, no_host_sync():
+        rig.mgr.finalize_release_on_finish(reqs[0])
+        rig.mgr.finalize_release_on_finish(reqs[1])
+        assert len(rig.mgr._release_checks) == 2 and rig.mgr.stats().bad_release_rows == 0  # at the bound
+        rig.mgr.finalize_release_on_finish(reqs[2])  # past it: the landed verdicts are read now
+    assert rig.mgr.stats().bad_release_rows == 3 and not rig.mgr._release_checks
+    assert [e for e in logs if e["event"] == audit.RELEASE_CHECKS_UNREAD] == []
+
+
+def test_dropped_verdicts_say_why(events, monkeypatch):
+    monkeypatch.setattr(settle, "MAX_RELEASE_CHECKS", 1)
+    rig = device_rig()
+    a, b = finished(rig, "a", bad=-1), finished(rig, "b", bad=-1)
+    with capture_logs() as logs, no_host_sync():
+        rig.mgr.finalize_release_on_finish(a)
+        rig.mgr.finalize_release_on_finish(b)    # none landed: the oldest dropped unread
+    (bound,) = [e for e in logs if e["event"] == audit.RELEASE_CHECKS_UNREAD]
+    assert bound["why"] == "more than 1 released device rows not yet checked: is check_offload_progress called?"
+    with capture_logs() as at_shutdown:
+        rig.mgr.shutdown()
+    (final,) = [e for e in at_shutdown if e["event"] == audit.RELEASE_CHECKS_UNREAD]
+    assert final["unread"] == 1 and final["why"] == "shutdown: their verdict had not landed"

@@ -12,7 +12,7 @@ import torch
 from structlog.testing import capture_logs
 
 from lifecycle import InvalidRequest, State, audit
-from lifecycle.release import AllocatorReleaseSink, ReleaseRefused
+from lifecycle.release import AllocatorReleaseSink, ReleasePlan, ReleaseRefused
 from lifecycle_tools.testkit.doubles import Req
 from tests.support.real_rig import Rig
 from transfer import PagedTokenAllocator, ReqToTokenPool
@@ -191,3 +191,112 @@ def test_slots_freed_behind_the_managers_back_refuse_the_release_and_keep_the_ro
     with pytest.raises(ReleaseRefused, match=rf"request 's': cannot free its slots \(row {row}\): pages"):
         rig.mgr.finalize_release_on_finish(req)
     assert req.kv.req_pool_idx == row and rig.pool._held[row]
+
+
+def test_a_refusal_names_the_row_it_read():
+    rig = make_bare(4)
+    req, _ = place(rig, "w", 8, 8)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 6] = rig.pool.req_to_token[row, 2]
+    with pytest.raises(InvalidRequest, match=rf"request 'w': row {row} lists 1 slot ids more than once"):
+        rig.mgr.finalize_release_on_finish(req)
+    rig.pool.req_to_token[row, 3] = -1
+    with pytest.raises(InvalidRequest, match=rf"request 'w': row {row} lists slot -1 at a position to free"):
+        rig.mgr.finalize_release_on_finish(req)
+
+
+@pytest.mark.parametrize("says, returned", [(None, 4), (True, 4), (False, 0)])
+def test_quarantined_slots_come_back_when_the_copy_ends_unless_the_sink_said_it_freed_nothing(says, returned):
+    """``ReleaseSink.free`` returning False: the scheduler frees this request's KV itself, so the
+    slots a stuck copy still reads stay the scheduler's; None or True: the manager frees them once
+    the copy ends."""
+
+    class Saying(AllocatorReleaseSink):
+        def free(self, plan):
+            super().free(plan)
+            return says
+
+    alloc, pool = PagedTokenAllocator(4 * 64, 4), ReqToTokenPool(4, 64)
+    rig = Rig(4, pool=pool, alloc=alloc, release_sink=Saying(pool, alloc))
+    req, _ = rig.admit("q", 8, 12)
+    rig.decode(req, 4)                               # ack 1 reads positions 8..11
+    rig.off.expire([1])
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    rig.progress()
+    assert rig.mgr.state_of(req) is State.RELEASED
+    before = alloc.available_size()
+    rig.off.land([1])
+    rig.progress()                                   # the stuck copy ends
+    assert alloc.available_size() == before + returned
+
+
+class NoRowCheck(ReqToTokenPool):
+    check_free = None                                # not a method: the row pool cannot tell
+
+
+class NoSlotCheck(PagedTokenAllocator):
+    check_free = None
+
+
+@pytest.mark.parametrize("which", ["slots", "row"])
+def test_one_pool_that_can_tell_is_enough_for_the_sink_to_ask_it(which):
+    """Only the allocator, or only the row pool, has ``check_free``: that one is still asked, and
+    its refusal refuses the release."""
+    pool = ReqToTokenPool(4, 64) if which == "row" else NoRowCheck(4, 64)
+    alloc = PagedTokenAllocator(4 * 64, 4) if which == "slots" else NoSlotCheck(4 * 64, 4)
+    sink = AllocatorReleaseSink(pool, alloc)
+    rig = Rig(4, pool=pool, alloc=alloc, release_sink=sink)
+    req, slots = place(rig, "o", 8, 8)
+    plan = _plan(rig, req)
+    sink.check(plan)                                 # all held: no refusal
+    if which == "slots":
+        alloc.free(slots[:4])                        # freed behind the manager's back
+    else:
+        row = req.kv.req_pool_idx
+        pool.free(req)                               # the row freed behind the manager's back
+        req.kv.req_pool_idx = row
+    with pytest.raises(ReleaseRefused, match=rf"request 'o': cannot free its {which}"):
+        sink.check(plan)
+
+
+def _plan(rig, req):
+    from lifecycle.release import ReleasePlan
+
+    row = req.kv.req_pool_idx
+    slots = rig.pool.req_to_token[row, :8].to(torch.int64)
+    return ReleasePlan(req, req.rid, row, ((0, 8),), slots, 8, 8)
+
+
+def test_pools_without_check_free_are_trusted():
+    pool, alloc = NoRowCheck(4, 64), NoSlotCheck(4 * 64, 4)
+    sink = AllocatorReleaseSink(pool, alloc)
+    rig = Rig(4, pool=pool, alloc=alloc, release_sink=sink)
+    req, _ = place(rig, "t", 8, 8)
+    sink.check(_plan(rig, req))                      # nothing to ask: no refusal
+    before = alloc.available_size()
+    rig.mgr.finalize_release_on_finish(req)
+    assert alloc.available_size() == before + 8 and req.kv.req_pool_idx is None
+
+
+def test_a_one_slot_pool_is_a_known_slot_count():
+    from types import SimpleNamespace
+
+    from lifecycle.release import slot_end
+
+    assert slot_end(SimpleNamespace(kv=SimpleNamespace(slots=1)), None) == 1
+    assert slot_end(None, SimpleNamespace(total_slots=1)) == 1
+    assert slot_end(None, SimpleNamespace(size=1, page_size=1)) == 2
+
+
+def test_pools_with_no_check_free_attribute_at_all_are_trusted():
+    from types import SimpleNamespace
+
+    freed = []
+    pool = SimpleNamespace(free=lambda req: freed.append(("row", req)))
+    alloc = SimpleNamespace(free=lambda slots: freed.append(("slots", slots.tolist())))
+    sink = AllocatorReleaseSink(pool, alloc)
+    plan = ReleasePlan("req", "r", 0, ((0, 2),), torch.tensor([5, 6]), 2, 2)
+    sink.check(plan)
+    sink.free(plan)
+    assert freed == [("slots", [5, 6]), ("row", "req")]

@@ -16,7 +16,7 @@ from lifecycle import InvalidRequest, InvalidTransition, State
 from lifecycle.errors import InvalidToken
 from lifecycle_tools.testkit.doubles import Req
 from tests.support.real_rig import Rig
-from transfer import PagedTokenAllocator, ReqToTokenPool
+from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
 
 PS = 4
 
@@ -132,3 +132,108 @@ def test_a_request_another_manager_holds_is_refused_without_touching_it():
     assert a.mgr.state_of(req) is State.RELEASED and b.mgr.state_of(req) is None
     with pytest.raises(InvalidTransition):
         a.mgr.offload_kv_cache(req)
+
+
+class StoringOffloader(InMemoryOffloader):
+    """Keeps what each storage write was given: tokens, page hashes and the parent page."""
+
+    stores_parent_hash = True
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.writes_seen = []
+
+    def write_storage(self, host_indices, tokens, page_hashes, parent_hash=None):
+        self.writes_seen.append((list(tokens), list(page_hashes), parent_hash))
+        return super().write_storage(host_indices, tokens, page_hashes)
+
+
+def storing_rig(**kw):
+    return Rig(PS, offloader=StoringOffloader(page_size=PS, host_pages=64, auto_land=True), **kw)
+
+
+def test_output_ids_in_a_tuple_are_offloaded_as_their_tokens():
+    rig = storing_rig()
+    req, _ = rig.admit("t", 8, 16, outputs=(7000,))
+    req.output_ids = tuple(7000 + i for i in range(5))
+    req.kv.kv_committed_len = req.kv.kv_allocated_len = 12
+    assert rig.mgr.offload_kv_cache(req)
+    rig.progress()
+    prior = page_hashes(list(range(1000, 1008)), PS, rig.mgr.namespace_seed)[-1]
+    ((tokens, names, _),) = rig.off.writes_seen
+    assert tokens == [7000, 7001, 7002, 7003] and names == page_hashes(tokens, PS, prior)
+
+
+def test_numpy_integer_tokens_continue_the_requests_hash_chain():
+    import numpy as np
+
+    rig = storing_rig()
+    req, _ = rig.admit("n", 8, 16, outputs=(7000,))
+    for t in range(7001, 7005):
+        req.decode(np.int64(t))
+        rig.mgr.offload_kv_cache(req)
+    rig.progress()
+    prior = page_hashes(list(range(1000, 1008)), PS, rig.mgr.namespace_seed)[-1]
+    ((tokens, names, _),) = rig.off.writes_seen
+    assert tokens == [7000, 7001, 7002, 7003] and names == page_hashes(tokens, PS, prior)
+
+
+@pytest.mark.parametrize("seed", [None, "5e" * 32])
+def test_each_stored_chunk_names_the_page_before_it_and_a_first_page_none(seed):
+    """A namespace seed is the chain's prior, not a page: the first page's parent is None."""
+    rig = storing_rig(namespace_seed=seed)
+    short, _ = rig.admit("s", 3, 16, outputs=(7000,))   # no prompt page: the chain starts at the seed
+    rig.decode(short, 8)                                 # two chunks: [0, 4) and [4, 8)
+    rig.progress()
+    long, _ = rig.admit("l", 8, 16, outputs=(7000,))    # a prompt page before the first chunk
+    rig.decode(long, 4)
+    rig.progress()
+    (t1, n1, p1), (t2, n2, p2), (t3, n3, p3) = rig.off.writes_seen
+    assert p1 is None and n1 == page_hashes(t1, PS, rig.mgr.namespace_seed)
+    assert p2 == n1[-1] and n2 == page_hashes(t2, PS, n1[-1])
+    prompt_tail = page_hashes(list(range(1000, 1008)), PS, rig.mgr.namespace_seed)[-1]
+    assert p3 == prompt_tail and n3 == page_hashes(t3, PS, prompt_tail)
+
+
+@pytest.mark.parametrize("field, words", [("kv_committed_len", "committed"), ("kv_allocated_len", "allocated")])
+def test_a_tracked_request_whose_kv_length_is_not_an_int_is_refused_by_name(field, words):
+    import numpy as np
+
+    rig = Rig(PS)
+    req, _ = rig.admit("k", 8, 16)
+    assert rig.decode(req, 3) == [False] * 3            # tracked, no chunk due yet
+    req.decode(7004)                                    # a chunk due: the request is read
+    value = getattr(req.kv, field)
+    setattr(req.kv, field, np.int64(value))             # an int-like, not an int
+    with pytest.raises(InvalidRequest, match=rf"request 'k': kv {words} length np\.int64\({value}\) is not a non-negative int"):
+        rig.mgr.offload_kv_cache(req)
+    setattr(req.kv, field, value)
+    assert rig.mgr.offload_kv_cache(req)                # repaired: works
+
+
+def test_a_non_callable_effective_length_attribute_is_ignored():
+    rig = Rig(PS)
+    req, _ = rig.admit("e", 8, 16)
+    rig.decode(req, 1)
+    req.effective_kv_committed_len = 3                  # an attribute, not SGLang's method
+    assert rig.decode(req, 3, first=7002) == [False, False, True]   # kv_committed_len counts
+    assert rig.mgr.progress_of(req).inc_len == 4
+
+
+def test_a_request_allocated_to_the_full_row_width_is_accepted():
+    rig = Rig(PS, width=16)
+    req, _ = rig.admit("w", 8, 16)
+    assert rig.decode(req, 3) == [False] * 3
+    req.decode(7004)                                    # a chunk due: the request is read
+    req.kv.kv_allocated_len = 17
+    with pytest.raises(InvalidRequest, match=r"request 'w': allocated 17 exceeds the row width 16"):
+        rig.mgr.offload_kv_cache(req)
+    req.kv.kv_allocated_len = 16                        # speculative slots up to the row's end
+    assert rig.mgr.offload_kv_cache(req)
+
+
+def test_a_request_first_seen_allocated_to_the_full_row_width_is_accepted():
+    rig = Rig(PS, width=16)
+    req, _ = rig.admit("f", 8, 16, outputs=tuple(range(7000, 7005)))
+    req.kv.kv_allocated_len = 16                        # committed 12, speculative slots to the row's end
+    assert rig.mgr.offload_kv_cache(req) and rig.mgr.progress_of(req).inc_len == 4

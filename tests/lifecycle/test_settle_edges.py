@@ -219,3 +219,47 @@ def test_a_call_back_into_the_manager_during_progress_is_refused_and_changes_not
     rig.progress()
     assert [type(e) for e in rig.off.errors] == [ReentrantCall]
     assert rig.mgr.stats().chunks_enqueued == before
+
+
+def test_a_failed_copy_is_settled_once_and_leaves_nothing_behind():
+    rig = Rig(PS)
+    req, _ = rig.admit("f", 8, 16)
+    rig.decode(req, 4)                                   # ack 1
+    rig.off.fail([1])
+    rig.progress()
+    assert rig.mgr.stats().copy_failures == 1 and rig.off.pending_storage == {}
+    assert not rig.mgr._failed and not rig.mgr._ongoing  # no per-copy trace kept once settled
+    rig.decode(req, 4, first=7005)                       # the next chunk: ack 2, landed and stored
+    rig.off.land([2])
+    rig.progress()
+    assert rig.mgr.stats().copy_failures == 1 and len(rig.off.pending_storage) == 1
+
+
+def test_an_expired_copy_that_then_fails_ends_its_quarantine_and_leaves_nothing_behind():
+    rig = Rig(PS)
+    req, _ = rig.admit("e", 8, 16)
+    rig.decode(req, 4)                                   # ack 1
+    rig.off.expire([1])
+    rig.progress()                                       # expired: its slots quarantined
+    assert rig.mgr.stats().copies_expired == 1 and 1 in rig.mgr._expired
+    rig.off.fail([1])                                    # it ends, as a failure
+    rig.progress()
+    assert not rig.mgr._expired and not rig.mgr._failed and rig.mgr._reading.total() == 0
+
+
+class NoFailureReports(InMemoryOffloader):
+    """An offloader without the optional ``failed_writes`` extension."""
+
+    failed_writes = None
+
+
+def test_an_offloader_without_failure_reports_is_collected_and_shut_down():
+    rig = Rig(PS, offloader=NoFailureReports(page_size=PS, host_pages=64, auto_land=False))
+    req, _ = rig.admit("n", 8, 16)
+    rig.decode(req, 4)
+    rig.off.land()
+    assert rig.mgr.pending().unsettled == 1          # collected: the landing, no failures asked for
+    rig.progress()
+    rig.off.complete_storage()
+    rig.progress()
+    assert rig.mgr.stats().copy_failures == 0 and rig.mgr.shutdown().copies == 0

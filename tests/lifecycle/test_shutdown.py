@@ -8,6 +8,7 @@ from structlog.testing import capture_logs
 from lifecycle import LifecycleError, ManagerClosed, State
 from lifecycle_tools.testkit.doubles import Req
 from tests.conftest import Node
+from tests.support.ranks import world  # noqa: F401 (fixture)
 
 
 def finished_with_a_copy(node):
@@ -204,3 +205,38 @@ def test_a_progress_check_that_raises_ends_the_drain_and_is_logged_once():
     assert len(stopped) == 1 and stopped[0]["log_level"] == "error"
     assert stopped[0]["error"].startswith("UnknownCompletion(") and "('ack', 99)" in stopped[0]["error"]
     assert node.mgr.closed and pending.copies == 1 and node.mgr.stats().abandoned == 1
+
+
+def shutdown_in_a_thread(mgr, **kw):
+    """``mgr.shutdown(**kw)`` on a daemon thread, joined for 5 s: a drain that never ends fails the
+    test instead of hanging it."""
+    import threading
+
+    out = []
+    t = threading.Thread(target=lambda: out.append(mgr.shutdown(**kw)), daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "shutdown(force=True) did not return within its bound"
+    return out[0]
+
+
+def test_a_zero_second_bound_ends_the_drain_even_when_no_time_passes(monkeypatch):
+    import lifecycle.calls as calls
+
+    monkeypatch.setattr(calls.time, "monotonic", lambda: 1000.0)   # the clock never moves
+    node = Node(page_size=4)
+    finished_with_a_copy(node)                        # the copy never lands
+    pending = shutdown_in_a_thread(node.mgr, force=True, timeout_s=0)
+    assert pending.copies == 1 and node.mgr.closed
+
+
+def test_a_tp_managers_forced_shutdown_is_bounded_by_the_agreed_deadline(world):
+    from lifecycle import DecodeOffloadManager
+    from transfer import InMemoryOffloader
+
+    node = Node(page_size=4)
+    node.off = InMemoryOffloader(page_size=4, host_pages=64, auto_land=False)
+    node.mgr = DecodeOffloadManager(node.pool, node.alloc, page_size=4, offloader=node.off, tp_group=world)
+    finished_with_a_copy(node)                        # the copy never lands
+    pending = shutdown_in_a_thread(node.mgr, force=True, timeout_s=0.05)
+    assert pending.copies == 1 and node.mgr.closed

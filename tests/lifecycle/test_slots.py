@@ -65,3 +65,101 @@ def test_an_empty_copy_counts_nothing():
     assert r.total() == 0 and r.reader(0) is None
     r.remove(1)
     assert r.total() == 0
+
+
+# ``check_slots`` on its own: a manager stand-in holding only what the check reads.
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from lifecycle.errors import InvalidSlots  # noqa: E402
+from lifecycle.slots import check_slots  # noqa: E402
+
+
+class SpyAllocator:
+    """Answers ``holds_slots`` with ``holds`` and records what the check asks."""
+
+    def __init__(self, holds=True, refuse=()):
+        self.holds, self.refuse, self.asked, self.probed = holds, set(refuse), [], []
+
+    def holds_slots(self, lo, hi):
+        self.asked.append((lo, hi))
+        return self.holds
+
+    def check_free(self, firsts):
+        self.probed.append(firsts.tolist())
+        bad = self.refuse.intersection(firsts.tolist())
+        if bad:
+            raise ValueError(f"page {min(bad)} not held")
+
+
+def bare_mgr(alloc=None, page=4, reading=()):
+    """``reading``: (ack, ids) of copies in flight."""
+    r = SlotsInFlight()
+    for ack, xs in reading:
+        r.add(ack, torch.tensor(xs, dtype=torch.int64))
+    return SimpleNamespace(_reading=r, _ongoing={}, _expired={}, _alloc_page=page,
+                           token_to_kv_pool_allocator=alloc if alloc is not None else SpyAllocator())
+
+
+def plan(mgr, xs, **kw):
+    a = ids(*xs)
+    return check_slots(mgr, "r", 3, ((0, len(xs)),), a, "offload", indices=torch.from_numpy(a), **kw)
+
+
+def test_a_run_the_allocator_says_it_holds_is_not_probed_page_by_page():
+    alloc = SpyAllocator(holds=True)
+    s, _ = plan(bare_mgr(alloc), [5, 6, 7, 8, 9, 10])
+    assert s.tolist() == [5, 6, 7, 8, 9, 10] and alloc.asked == [(5, 10)] and alloc.probed == []
+
+
+@pytest.mark.parametrize("xs, pages", [
+    ([5, 6, 7, 8, 9, 10], [4, 8]),        # a run not page-aligned: its two pages
+    ([8, 9, 10, 11], [8]),                # one whole page, nothing past it
+    ([3, 4], [0, 4]),
+])
+def test_a_run_the_allocator_does_not_vouch_for_is_probed_once_per_page_it_touches(xs, pages):
+    alloc = SpyAllocator(holds=False, refuse={pages[-1] + 4})  # the page after the run is free
+    s, _ = plan(bare_mgr(alloc), xs)
+    assert s.tolist() == xs and alloc.asked == [(xs[0], xs[-1])] and alloc.probed == [pages]
+
+
+def test_ids_that_are_no_run_are_probed_by_their_own_pages_only():
+    alloc = SpyAllocator(holds=True, refuse={4})       # page 4..7 lies between them, not held
+    s, _ = plan(bare_mgr(alloc), [1, 0, 9, 8])
+    assert s.tolist() == [0, 1, 8, 9] and alloc.asked == [] and alloc.probed == [[0, 8]]
+    mgr = bare_mgr(SpyAllocator(holds=False, refuse={8}))
+    with pytest.raises(InvalidSlots, match=r"row 3 lists slots the allocator does not hold .*page 8 not held"):
+        plan(mgr, [1, 0, 9, 8])
+    assert mgr._reading.planned is None
+
+
+@pytest.mark.parametrize("check_free", ["absent", 0])
+def test_an_allocator_without_a_callable_check_free_is_trusted(check_free):
+    alloc = SimpleNamespace() if check_free == "absent" else SimpleNamespace(check_free=check_free)
+    mgr = bare_mgr(alloc)
+    s, _ = plan(mgr, [0, 2, 9])
+    assert s.tolist() == [0, 2, 9] and mgr._reading.planned[1].tolist() == [0, 2, 9]
+
+
+def test_ids_with_gaps_ignore_a_copy_reading_the_gaps():
+    mgr = bare_mgr(reading=[(1, [2, 3])])
+    s, _ = plan(mgr, [0, 1, 4])
+    assert s.tolist() == [0, 1, 4]
+    with pytest.raises(InvalidSlots, match=r"lists slot 3 at a position to offload"):
+        plan(mgr, [0, 3, 4])
+
+
+@pytest.mark.parametrize("xs, held, busy", [
+    ([0, 1, 2, 5], [1], 5),               # left [0, 2, 5]: no run, the last one read
+    ([5, 7, 2000], [7], 5),               # left [5, 2000]: past the counts table, the first one read
+    ([4, 9], [4], 9),                     # left one id
+])
+def test_a_release_around_quarantined_slots_still_refuses_a_slot_another_copy_reads(xs, held, busy):
+    mgr = bare_mgr(reading=[(7, [busy])])
+    with pytest.raises(InvalidSlots, match=rf"request 'r': row 3 lists slot {busy} at a position to free"):
+        check_slots(mgr, "r", 3, ((0, 9),), ids(*xs), "free", quarantined=ids(*held))
+    free = bare_mgr()
+    s, left_out = check_slots(free, "r", 3, ((0, 9),), ids(*xs), "free", quarantined=ids(*held))
+    assert s.tolist() == [x for x in xs if x not in held] and left_out == len(held)

@@ -69,3 +69,17 @@ def test_a_guard_added_to_the_table_changes_what_decide_allows():
     assert isinstance(verdict, Refusal) and verdict.guard == "!copies_in_flight"
     guards = {**GUARDS, "done": lambda f: f.finished}  # a stricter predicate behind the same name
     assert isinstance(decide("finish", facts, guards=guards), Refusal)
+
+
+def test_a_fresh_table_keeps_each_rows_conditions():
+    """A table decided on for the first time (a fresh tuple: compiled now, not taken from the cache)
+    applies every row's ``conditions`` as well as its ``unless``."""
+    from lifecycle.states import Facts, Refusal, decide
+
+    fresh = tuple(dict(r) for r in TRANSITIONS)
+    refusal = decide("finish", Facts(State.PREFILLED), table=fresh)
+    assert isinstance(refusal, Refusal) and refusal.guard == "done"
+    assert decide("finish", Facts(State.PREFILLED, finalizing=True), table=fresh) is State.FINISHED
+    assert decide("host_short", Facts(State.OFFLOADING, 1), table=fresh) is State.INFLIGHT
+    assert decide("host_short", Facts(State.OFFLOADING, 0), table=fresh) is State.PREFILLED
+    assert decide("finish", Facts(State.PREFILLED), table=list(fresh)).guard == "done"  # a list: compiled each time

@@ -156,3 +156,125 @@ def test_what_refers_back_to_the_manager_refers_to_the_copy_in_the_copy():
     twin, a2 = copy.deepcopy((node.mgr, a))
     assert twin.release_sink is not node.mgr.release_sink and twin.release_sink.owner is twin
     assert node.mgr.release_sink.owner is node.mgr
+
+
+def test_a_record_whose_request_is_gone_is_not_found_for_an_object_reusing_its_id():
+    """``lookup`` answers for the object it is given: a record keyed by an id its own request no
+    longer has (the id reused by another object) is nobody's record."""
+    node = Node(page_size=4)
+    a, b = Req("a", range(4), row=0), Req("b", range(4), row=1)
+    node.mgr.offload_kv_cache(a)
+    node.mgr._records[id(b)] = node.mgr._records[id(a)]   # as if b had a's id after a was dropped
+    assert table.lookup(node.mgr, b) is None and table.lookup(node.mgr, a) is node.mgr._records[id(a)]
+
+
+def test_draining_a_drop_retires_only_the_record_that_ref_belongs_to():
+    import collections
+    import weakref
+    from types import SimpleNamespace
+
+    class Obj:
+        pass
+
+    stale, live_obj = Obj(), Obj()
+    live = SimpleNamespace(ref=weakref.KeyedRef(live_obj, None, 7), state=State.RELEASED)
+    mgr = SimpleNamespace(_dropped=collections.deque([weakref.KeyedRef(stale, None, 7), weakref.KeyedRef(stale, None, 8)]),
+                          _records={7: live}, _by_name={"RELEASED": 1}, _leaked=0)
+    table.drain_dropped(mgr)                       # key 7: another request's record; key 8: none left
+    assert mgr._records == {7: live} and not mgr._dropped and mgr._leaked == 0
+
+
+def test_a_record_left_under_a_reused_id_is_retired_as_leaked_when_the_new_request_is_seen():
+    node = Node(page_size=4)
+    a, b = Req("a", range(4), row=0), Req("b", range(4), row=1)
+    import weakref
+
+    import msgspec
+
+    node.mgr.offload_kv_cache(a)                         # PREFILLED, never released
+    old = node.mgr._records.pop(id(a))                   # as if a was dropped and b took its id:
+    node.mgr._records[id(b)] = msgspec.structs.replace(old, ref=weakref.KeyedRef(a, None, id(b)))
+    node.mgr.offload_kv_cache(b)
+    s = node.mgr.stats()
+    assert s.leaked == 1 and node.mgr.state_of(b) is State.PREFILLED
+    assert node.mgr._by_name["PREFILLED"] == 1 and len(node.mgr._records) == 1
+
+
+class Owner:
+    """A manager stand-in for the registries: weak-referenceable, open or closed."""
+
+    def __init__(self, closed=False):
+        self.closed = closed
+
+
+class Offloader:
+    pass
+
+
+class Slotted:
+    __slots__ = ()                                       # not weak-referenceable
+
+
+def test_an_offloader_claim_is_forgotten_when_the_offloader_is_gone():
+    import gc
+
+    offs = table.Offloaders()
+    off, mgr = Offloader(), Owner()
+    offs.claim(off, mgr)
+    assert list(offs._by_id) == [id(off)]
+    del off
+    gc.collect()
+    assert offs._by_id == {}
+
+
+def test_a_stale_forget_leaves_a_newer_offloader_claim():
+    offs = table.Offloaders()
+    off, mgr = Offloader(), Owner()
+    offs.claim(off, mgr)
+    offs._forget(id(off), object())                      # another (older) reference's callback
+    offs._forget(12345, object())                        # nothing under that key
+    assert list(offs._by_id) == [id(off)]
+
+
+@pytest.mark.parametrize("make", [Offloader, Slotted], ids=["weakref", "not-weakref"])
+def test_a_second_open_manager_over_one_offloader_is_refused(make):
+    offs = table.Offloaders()
+    off, first, second = make(), Owner(), Owner()
+    offs.claim(off, first)
+    offs.claim(off, first)                               # the same manager again: fine
+    with pytest.raises(ConfigError) as err:
+        offs.claim(off, second)
+    assert str(err.value) == ("this offloader already serves another DecodeOffloadManager; give each manager "
+                              "its own (their ack ids and completions would mix)")
+    first.closed = True
+    offs.claim(off, second)                              # the first one closed: taken over
+
+
+def test_an_ownership_claim_needs_a_keyed_reference_to_that_request_under_its_id():
+    import weakref
+
+    owners = table.Owners()
+    req, other = Req("r", range(4), row=0), Req("o", range(4), row=1)
+    msg = "a claim's reference must be a KeyedRef to the request, keyed by its id"
+    for ref in (weakref.KeyedRef(req, None, id(other)), weakref.KeyedRef(other, None, id(req))):
+        with pytest.raises(ValueError) as err:
+            owners.claim(req, Owner(), ref)
+        assert str(err.value) == msg
+    mgr = Owner()
+    owners.claim(req, mgr, weakref.KeyedRef(req, None, id(req)))
+    assert owners.owner(req) is mgr
+
+
+def test_forgetting_an_old_ownership_claim_keeps_the_newer_one():
+    import weakref
+
+    owners = table.Owners()
+    req, mgr = Req("r", range(4), row=0), Owner()
+    old, new = weakref.KeyedRef(req, None, id(req)), weakref.KeyedRef(req, None, id(req))
+    owners.claim(req, Owner(), old)
+    owners.claim(req, mgr, new)
+    owners.forget(old)                                   # the old claim's callback, late
+    owners.forget(weakref.KeyedRef(Owner(), None, 424242))   # no claim under that key
+    assert owners.owner(req) is mgr
+    owners.forget(new)
+    assert owners.owner(req) is None
