@@ -217,7 +217,13 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     # them again against today's tests (mutmut re-runs a finished mutant only when named)
     again = [m for m in survived_before if outcomes.get(m) == "survived"]
     for i in range(0, len(again), 200):
-        rc = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children), *again[i:i + 200]]) or rc
+        batch = again[i:i + 200]
+        got = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children), *batch])
+        if got != 0:  # e.g. mutmut's stats run for the new tests crashed: this batch was not run; once more
+            print(f"  {group}: mutmut exited {got} on survivors {i}-{i + len(batch) - 1}; running them again",
+                  flush=True)
+            got = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children), *batch])
+        rc = got or rc
     if again:
         outcomes = listing()
     wall = time.monotonic() - start
