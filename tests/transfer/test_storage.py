@@ -400,3 +400,33 @@ def test_a_backend_probe_lets_batch_exists_adopt_a_page_stored_elsewhere():
     assert reader.batch_exists([A, B, C]) == 2 and reader.stats().pages == 2
     out = page(0)
     assert reader.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
+
+
+def test_memory_storage_defaults_no_suffix_and_serves_unsealed_pages():
+    s = MemoryStorage(checksum=False)  # defaults: no suffix, any page size, lax about seals
+    assert s.suffix == "" and s.page_nbytes is None and s.require_checksum is False
+    assert s.batch_set([A], [page(3)]) == [True]
+    out = page(0)
+    assert s.batch_get([A], [out]) == [True] and torch.equal(out, page(3))
+    assert s.stats().unverified == 1
+
+
+def test_memory_storage_a_page_read_into_a_buffer_of_another_size_is_a_wrong_size_miss():
+    s = MemoryStorage(SUFFIX)  # no page size: pages of any size are stored
+    assert s.batch_set([A], [page(1)]) == [True]
+    out = torch.full((NB // 2,), 9, dtype=torch.uint8)
+    assert s.batch_get([A], [out]) == [False]
+    assert torch.equal(out, torch.zeros(NB // 2, dtype=torch.uint8))
+    st = s.stats()
+    assert st.wrong_size == 1 and st.misses == 1 and st.hits == 0 and st.corrupt == 0
+
+
+def test_a_page_the_probe_reports_but_gone_by_the_read_is_a_miss():
+    class Stale(MemoryStorage):  # another process stored the page, then deleted it before our read
+        def _probe(self, name):
+            return NB
+
+    s = Stale(SUFFIX, NB)
+    out = page(5)
+    assert s.batch_get([A], [out]) == [False] and torch.equal(out, page(0))
+    assert s.stats().misses == 1 and s.stats().hits == 0 and s.stats().unverified == 0
