@@ -274,3 +274,127 @@ def test_without_a_suffix_a_page_file_is_its_hash(tmp_path):
     s = FileStorage(tmp_path, page_nbytes=NB)
     assert s.batch_set([A], [page(1)]) == [True]
     assert os.listdir(tmp_path) == [f"{A}.bin"]
+
+
+# --- reads that fail: counted, logged with the page, bytes never served --------------------------
+
+def test_an_indexed_page_that_vanished_is_a_counted_miss_logged_with_its_name(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.batch_set([A], [page(1)])
+    os.unlink(tmp_path / f"{A}{SUFFIX}.bin")
+    with capture_logs() as logs:
+        assert s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)]) == [False]
+    (ev,) = [e for e in logs if e["event"] == "file_storage.page_vanished"]
+    assert ev["log_level"] == "warning" and ev["name"] == A + SUFFIX
+    st = s.stats()
+    assert st.stale_indexed == 1 and st.misses == 1 and st.pages == 0
+
+
+@pytest.mark.parametrize("size", [NB - 5, NB + 3])
+def test_an_indexed_page_of_another_size_is_a_wrong_size_miss_logged_and_zeroed(tmp_path, size):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.batch_set([A], [page(1)])
+    # another process rewrote the file in place (its seal xattr stays): longer or shorter
+    (tmp_path / f"{A}{SUFFIX}.bin").write_bytes((bytes(page(1).numpy()) * 2)[:size])
+    out = torch.full((NB,), 9, dtype=torch.uint8)
+    with capture_logs() as logs:
+        assert s.batch_get([A], [out]) == [False]
+    assert torch.equal(out, torch.zeros(NB, dtype=torch.uint8))  # nothing of the file left in the buffer
+    st = s.stats()
+    assert st.wrong_size == 1 and st.corrupt == 0 and st.unverified == 0 and st.errors == 0
+    assert st.misses == 1 and st.hits == 0
+    (ev,) = [e for e in logs if e["event"] == "file_storage.wrong_size"]
+    assert ev["log_level"] == "error" and ev["name"] == A + SUFFIX
+    assert ev["expected"] == NB and ev["size"] == size
+
+
+def test_reading_a_page_raises_no_warning(tmp_path):
+    import warnings
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.batch_set([A], [page(4)])
+    out = torch.empty(NB, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. a binary file opened line-buffered warns
+        assert s.batch_get([A], [out]) == [True]
+    assert torch.equal(out, page(4))
+
+
+def _xattr_eio(monkeypatch, calls):
+    import transfer.storage.file as file_mod
+
+    def getxattr(*a, **kw):
+        calls.append(a)
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(file_mod.os, "getxattr", getxattr)
+
+
+def test_without_checksums_a_read_never_asks_for_the_seal(tmp_path, monkeypatch):
+    s = FileStorage(tmp_path, SUFFIX, NB, checksum=False)
+    s.batch_set([A], [page(5)])
+    calls = []
+    _xattr_eio(monkeypatch, calls)  # a filesystem whose xattr calls fail: irrelevant without checksums
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert s.batch_get([A], [out]) == [True] and torch.equal(out, page(5))
+    assert calls == [] and s.stats().errors == 0 and s.stats().unverified == 1
+
+
+def test_a_page_of_the_wrong_size_is_refused_before_its_seal_is_read(tmp_path, monkeypatch):
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.batch_set([A], [page(5)])
+    (tmp_path / f"{A}{SUFFIX}.bin").write_bytes(bytes(NB + 1))
+    calls = []
+    _xattr_eio(monkeypatch, calls)
+    assert s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)]) == [False]
+    assert calls == [] and s.stats().wrong_size == 1 and s.stats().errors == 0
+
+
+# --- seals written by older versions, and seals that are not seals ------------------------------
+
+def _raw_page_with_xattr(tmp_path, key, value):
+    path = tmp_path / f"{key}{SUFFIX}.bin"
+    path.write_bytes(bytes(page(6).numpy()))
+    os.setxattr(path, "user.kv_lifecycle.checksum", value)
+    return path
+
+
+def test_an_older_versions_checksum_reads_as_unverified_and_strict_mode_refuses_it(tmp_path):
+    _raw_page_with_xattr(tmp_path, A, b"wsum64 0123456789abcdef")
+    lax = FileStorage(tmp_path, SUFFIX, NB)
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert lax.batch_get([A], [out]) == [True] and torch.equal(out, page(6))
+    st = lax.stats()
+    assert st.unverified == 1 and st.corrupt == 0 and st.foreign == 0
+    strict = FileStorage(tmp_path, SUFFIX, NB, require_checksum=True)
+    assert strict.batch_get([A], [out]) == [False] and strict.stats().unverified == 1
+    assert strict.stats().corrupt == 0 and (tmp_path / f"{A}{SUFFIX}.bin").exists()
+
+
+def test_an_unindexed_page_with_an_older_versions_checksum_is_adopted_unless_strict(tmp_path):
+    lax = FileStorage(tmp_path, SUFFIX, NB)
+    strict = FileStorage(tmp_path, SUFFIX, NB, require_checksum=True)
+    _raw_page_with_xattr(tmp_path, A, b"wsum64 0123456789abcdef")  # after the index scans
+    assert lax.batch_exists([A]) == 1 and lax.stats().pages == 1
+    assert strict.batch_exists([A]) == 0 and strict.stats().pages == 0
+
+
+def test_an_unindexed_page_whose_seal_does_not_decode_is_not_adopted(tmp_path):
+    s = FileStorage(tmp_path, SUFFIX, NB)  # no page_format: the format would come from the seal
+    _raw_page_with_xattr(tmp_path, A, b"not a seal")
+    assert s.batch_exists([A]) == 0 and s.stats().pages == 0
+
+
+def test_without_a_page_size_a_page_stored_by_another_store_is_adopted(tmp_path):
+    s = FileStorage(tmp_path, SUFFIX)  # an empty directory: nothing indexed
+    FileStorage(tmp_path, SUFFIX).batch_set([A, B], [page(1), page(2)])
+    assert s.batch_exists([A, B]) == 2 and s.stats().pages == 2
+
+
+def test_without_checksums_an_indexed_page_of_another_size_is_no_longer_present(tmp_path):
+    s = FileStorage(tmp_path, SUFFIX, NB, checksum=False)
+    s.batch_set([A], [page(1)])
+    (tmp_path / f"{A}{SUFFIX}.bin").write_bytes(bytes(NB + 3))
+    assert s.batch_exists([A]) == 0 and s.stats().stale_indexed == 1
+    assert s.batch_set([A], [page(1)]) == [True] and s.stats().stored == 2  # rewritten, not skipped
+    assert (tmp_path / f"{A}{SUFFIX}.bin").read_bytes() == bytes(page(1).numpy())

@@ -326,3 +326,32 @@ def test_skip_drops_exactly_the_bytes_asked_for_across_buffer_refills():
         wire.line()
     a.close()
     b.close()
+
+
+def test_crlf_consumes_exactly_the_terminator_and_refuses_anything_else():
+    a, b = socket.socketpair()
+    b.sendall(b"abc\r\n\r\nnext\r\nXY")
+    wire = _Wire(a, bytearray(64))
+    assert wire.line() == b"abc"
+    wire.crlf()
+    assert wire.line() == b"next"  # exactly the two bytes were consumed
+    with pytest.raises(ProtocolError, match=r"^bulk string not terminated by CRLF$"):
+        wire.crlf()
+    a.close()
+    b.close()
+
+
+def test_crlf_split_across_receives_keeps_the_bytes_already_buffered():
+    a, b = socket.socketpair()
+    b.sendall(b"abc\r\nX\r")  # the value's last byte and half of its CRLF
+    wire = _Wire(a, bytearray(8))
+    assert wire.line() == b"abc"
+    dst = bytearray(1)
+    wire.into(memoryview(dst))
+    assert dst == b"X"
+    b.sendall(b"\nnext\r\n")  # the rest arrives in a later receive
+    b.shutdown(socket.SHUT_WR)
+    wire.crlf()
+    assert wire.line() == b"next"
+    a.close()
+    b.close()

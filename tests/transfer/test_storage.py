@@ -317,3 +317,116 @@ def test_the_first_unverified_page_is_warned_with_the_store_the_page_and_the_rem
     hint = ev["hint"]
     assert hint.startswith("pages without a checksum seal") and "SGLang" in hint and "checksum=False" in hint
     assert hint.endswith("require_checksum=True refuses them")
+
+
+# --- refusals and read failures are counted, logged with the page, and announced ----------------
+
+def test_a_corrupt_page_is_logged_with_its_verdict_deleted_and_announced_by_its_hash(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    s.events = ev = Events()
+    assert s.batch_set([A], [page(1)]) == [True]
+    path = tmp_path / f"{A}{SUFFIX}.bin"
+    path.write_bytes(bytes(page(2).numpy()))  # same size, same inode (the seal stays): other bytes
+    with capture_logs() as logs:
+        assert s.batch_get([A], [page(0)]) == [False]
+    (e,) = [e for e in logs if e["event"] == "storage.page_refused"]
+    assert e["log_level"] == "error" and e["name"] == A + SUFFIX and e["verdict"] == "corrupt"
+    assert s.stats().corrupt == 1 and not path.exists()
+    assert ev.told == [("stored", [A]), ("removed", [A])]  # by page hash, without the suffix
+
+
+def test_a_foreign_page_is_logged_with_its_verdict(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    assert s.batch_set([B], [page(1)]) == [True]
+    os.replace(tmp_path / f"{B}{SUFFIX}.bin", tmp_path / f"{A}{SUFFIX}.bin")  # B's page under A's name
+    with capture_logs() as logs:
+        assert s.batch_get([A], [page(0)]) == [False]
+    (e,) = [e for e in logs if e["event"] == "storage.page_refused"]
+    assert e["name"] == A + SUFFIX and e["verdict"] == "foreign" and s.stats().foreign == 1
+
+
+def test_a_read_that_fails_is_a_miss_counted_and_logged_with_the_error(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    assert s.batch_set([A], [page(1)]) == [True]
+    path = tmp_path / f"{A}{SUFFIX}.bin"
+    os.unlink(path)
+    os.mkdir(path)  # opening a directory for reading fails (EISDIR), even for root
+    out = page(7)
+    with capture_logs() as logs:
+        assert s.batch_get([A], [out]) == [False]
+    assert torch.equal(out, page(0))
+    st = s.stats()
+    assert st.errors == 1 and st.misses == 1 and st.hits == 0
+    (e,) = [e for e in logs if e["event"] == "storage.read_failed"]
+    assert e["log_level"] == "error" and e["name"] == A + SUFFIX and e["errno"] == errno.EISDIR
+    assert "directory" in e["error"].lower()
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"])
+def test_misses_and_exists_count_every_key(backend, tmp_path):
+    s = MemoryStorage(SUFFIX, NB) if backend == "memory" else FileStorage(tmp_path, SUFFIX, NB)
+    assert s.batch_exists([X]) == 0
+    assert s.batch_get([A, B, C], [page(0), page(0), page(0)]) == [False] * 3
+    assert s.stats().misses == 3 and s.stats().hits == 0
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    assert s.batch_exists([A, B, C]) == 2 and s.batch_exists([C, A]) == 0
+    assert s.stats().pages == 2
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"])
+def test_without_a_page_size_an_absent_key_does_not_exist(backend, tmp_path):
+    s = MemoryStorage(SUFFIX) if backend == "memory" else FileStorage(tmp_path, SUFFIX)
+    assert s.batch_exists([X]) == 0 and s.stats().pages == 0
+    assert s.batch_set([A], [page(1)]) == [True]
+    assert s.batch_exists([A, X, B]) == 1 and s.stats().pages == 1
+
+
+def test_a_backend_probe_lets_batch_exists_adopt_a_page_stored_elsewhere():
+    class Shared(MemoryStorage):  # a backend whose pages other processes can store (the _probe hook)
+        def __init__(self, shared, **kw):
+            super().__init__(SUFFIX, NB, **kw)
+            self._data = shared
+
+        def _probe(self, name):
+            got = self._data.get(name)
+            return None if got is None else got[0].numel()
+
+    shared = {}
+    writer, reader = Shared(shared), Shared(shared)
+    assert writer.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    assert reader.batch_exists([A, B, C]) == 2 and reader.stats().pages == 2
+    out = page(0)
+    assert reader.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
+
+
+def test_memory_storage_defaults_no_suffix_and_serves_unsealed_pages():
+    s = MemoryStorage(checksum=False)  # defaults: no suffix, any page size, lax about seals
+    assert s.suffix == "" and s.page_nbytes is None and s.require_checksum is False
+    assert s.batch_set([A], [page(3)]) == [True]
+    out = page(0)
+    assert s.batch_get([A], [out]) == [True] and torch.equal(out, page(3))
+    assert s.stats().unverified == 1
+
+
+def test_memory_storage_a_page_read_into_a_buffer_of_another_size_is_a_wrong_size_miss():
+    s = MemoryStorage(SUFFIX)  # no page size: pages of any size are stored
+    assert s.batch_set([A], [page(1)]) == [True]
+    out = torch.full((NB // 2,), 9, dtype=torch.uint8)
+    assert s.batch_get([A], [out]) == [False]
+    assert torch.equal(out, torch.zeros(NB // 2, dtype=torch.uint8))
+    st = s.stats()
+    assert st.wrong_size == 1 and st.misses == 1 and st.hits == 0 and st.corrupt == 0
+
+
+def test_a_page_the_probe_reports_but_gone_by_the_read_is_a_miss():
+    class Stale(MemoryStorage):  # another process stored the page, then deleted it before our read
+        def _probe(self, name):
+            return NB
+
+    s = Stale(SUFFIX, NB)
+    out = page(5)
+    assert s.batch_get([A], [out]) == [False] and torch.equal(out, page(0))
+    assert s.stats().misses == 1 and s.stats().hits == 0 and s.stats().unverified == 0
