@@ -147,6 +147,12 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
             self._stats.errors += 1
         return False
 
+    def _answered(self, codes: Sequence[int], what: str, unreachable: str) -> None:
+        """``_outcome``; when the master did not answer, raise ``StorageUnavailable`` saying it
+        ``unreachable`` (e.g. "is unreachable (set)")."""
+        if not self._outcome(codes, what):
+            raise StorageUnavailable(f"mooncake storage at {self.url} {unreachable}")
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for name, n in deltas.items():
@@ -190,8 +196,7 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
         for key, objs in zip(keys, objects):
             names += objs + ([self.naming.seal_object(key)] if sealed else [])
         codes = store.batch_is_exist(names)
-        if not self._outcome(codes, "exists before set"):
-            raise StorageUnavailable(f"mooncake storage at {self.url} is unreachable (set)")
+        self._answered(codes, "exists before set", "is unreachable (set)")
         kinds, step = self.naming.kinds, self.naming.kinds + int(sealed)
         todo, reseal = [], []
         for i in range(len(keys)):
@@ -254,8 +259,7 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
 
     def _put_codes(self, codes: Sequence[int], groups: list[list[str]]) -> list[bool]:
         """Per group of objects, whether every put succeeded; failures counted and logged."""
-        if not self._outcome(codes, "put"):
-            raise StorageUnavailable(f"mooncake storage at {self.url} became unreachable during a write")
+        self._answered(codes, "put", "became unreachable during a write")
         out, pos = [], 0
         for names in groups:
             group = codes[pos:pos + len(names)]

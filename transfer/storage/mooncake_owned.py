@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import torch
 
-from transfer.errors import StorageUnavailable
 from transfer.log import get_logger
 from transfer.storage import mooncake_conn as conn
 
@@ -63,8 +62,7 @@ class MooncakeOwnership:
             pos += nbytes
         with self._buffers.registered([scratch]):
             codes = store.batch_get_into(names, ptrs, sizes)
-        if not self._outcome(codes, "read before reseal"):
-            raise StorageUnavailable(f"mooncake storage at {self.url} became unreachable during a write (reseal read)")
+        self._answered(codes, "read before reseal", "became unreachable during a write (reseal read)")
         ours = []
         for j, (i, nbytes) in enumerate(zip(idx, sizes_of)):
             whole = all(c == nbytes // kinds for c in codes[j * kinds:(j + 1) * kinds])
@@ -88,8 +86,7 @@ class MooncakeOwnership:
             seal_ptrs.append(seals.data_ptr() + n * self._SLOT)
         with self._buffers.registered([seals]):
             put = store.batch_put_from(seal_names, seal_ptrs, [self._SEAL_NBYTES] * len(ours), self._put_config)
-        if not self._outcome(put, "reseal"):
-            raise StorageUnavailable(f"mooncake storage at {self.url} became unreachable during a write (reseal)")
+        self._answered(put, "reseal", "became unreachable during a write (reseal)")
         for j, code in zip(ours, put):
             if code in (conn.OK, conn.EXISTS):
                 results[j] = True
