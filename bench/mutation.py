@@ -94,15 +94,10 @@ def configure(snapshot: Path, group: str, write: bool = True) -> tuple[list[str]
     tests = expand(snapshot, spec["tests"], SLOW_OR_MULTIPROCESS_TESTS)
     if not write:
         return modules, tests
-    pyproject = snapshot / "pyproject.toml"
-    text = pyproject.read_text()
-    if "[tool.mutmut]" in text:
-        raise SystemExit("pyproject.toml already has [tool.mutmut]: bench/mutation.py owns that section")
     # a test running past PER_TEST_TIMEOUT_S fails (pytest-timeout): a mutant that hangs a test is
     # detected in seconds instead of the whole selection's timeout; set in pytest's own section,
     # outside what mutmut fingerprints, so a resumed snapshot keeps its outcomes
-    text = text.replace("[tool.pytest.ini_options]\n", f"[tool.pytest.ini_options]\ntimeout = {PER_TEST_TIMEOUT_S}\n", 1)
-    pyproject.write_text(text + f"""
+    _write_settings(snapshot / "pyproject.toml", f"timeout = {PER_TEST_TIMEOUT_S}", f"""
 [tool.mutmut]
 source_paths = {toml_list([p + "/" for p in LIBRARY])}
 only_mutate = {toml_list(modules)}
@@ -143,13 +138,17 @@ def carry_settings(old: Path, new: Path) -> None:
     arguments and test selection, and a changed fingerprint throws away every recorded outcome
     of the group: a resumed run keeps the settings its outcomes were obtained with."""
     before = old.read_text()
-    section = before[before.index("\n[tool.mutmut]"):]
     timeout = next(line for line in before.splitlines() if line.startswith("timeout = "))
-    text = new.read_text()
+    _write_settings(new, timeout, before[before.index("\n[tool.mutmut]"):])
+
+
+def _write_settings(pyproject: Path, timeout_line: str, section: str) -> None:
+    """Put ``timeout_line`` first in pytest's ini section and append the ``[tool.mutmut]`` ``section``."""
+    text = pyproject.read_text()
     if "[tool.mutmut]" in text:
-        raise SystemExit(f"{new} already has [tool.mutmut]: bench/mutation.py owns that section")
-    text = text.replace("[tool.pytest.ini_options]\n", f"[tool.pytest.ini_options]\n{timeout}\n", 1)
-    new.write_text(text + section)
+        raise SystemExit(f"{pyproject} already has [tool.mutmut]: bench/mutation.py owns that section")
+    text = text.replace("[tool.pytest.ini_options]\n", f"[tool.pytest.ini_options]\n{timeout_line}\n", 1)
+    pyproject.write_text(text + section)
 
 
 def mutmut_section_list(pyproject: Path, key: str) -> list[str]:
@@ -205,7 +204,8 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     if not resume:
         log.unlink(missing_ok=True)
     start = time.monotonic()
-    rc = 0 if survivors_only and survived_before else _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children)])
+    run = ["run", "--max-children", str(max_children)]
+    rc = 0 if survivors_only and survived_before else _mutmut(snapshot, env, log, run)
 
     def listing() -> dict[str, str]:
         out = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=snapshot, env=env,
@@ -218,11 +218,11 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     again = [m for m in survived_before if outcomes.get(m) == "survived"]
     for i in range(0, len(again), 200):
         batch = again[i:i + 200]
-        got = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children), *batch])
+        got = _mutmut(snapshot, env, log, [*run, *batch])
         if got != 0:  # e.g. mutmut's stats run for the new tests crashed: this batch was not run; once more
             print(f"  {group}: mutmut exited {got} on survivors {i}-{i + len(batch) - 1}; running them again",
                   flush=True)
-            got = _mutmut(snapshot, env, log, ["run", "--max-children", str(max_children), *batch])
+            got = _mutmut(snapshot, env, log, [*run, *batch])
         rc = got or rc
     if again:
         outcomes = listing()

@@ -86,12 +86,17 @@ def test_every_group_mutates_real_modules_and_runs_real_tests_and_no_module_is_i
     assert missing == []
 
 
+def hashing_tree(root: Path, pyproject: str) -> None:
+    """A snapshot holding one module of the hashing group, its test file and ``pyproject``."""
+    (root / "hashing").mkdir()
+    (root / "hashing" / "chain.py").write_text("")
+    (root / "tests" / "hashing").mkdir(parents=True)
+    (root / "tests" / "hashing" / "test_chain.py").write_text("")
+    (root / "pyproject.toml").write_text(pyproject)
+
+
 def test_configure_writes_the_group_section_once_and_refuses_a_second(tmp_path):
-    (tmp_path / "hashing").mkdir()
-    (tmp_path / "hashing" / "chain.py").write_text("")
-    (tmp_path / "tests" / "hashing").mkdir(parents=True)
-    (tmp_path / "tests" / "hashing" / "test_chain.py").write_text("")
-    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n\n[tool.pytest.ini_options]\naddopts = ''\n")
+    hashing_tree(tmp_path, "[project]\nname = 'x'\n\n[tool.pytest.ini_options]\naddopts = ''\n")
     modules, tests = mutation.configure(tmp_path, "hashing")
     assert modules == ["hashing/chain.py"] and tests == ["tests/hashing/test_chain.py"]
     text = (tmp_path / "pyproject.toml").read_text()
@@ -151,11 +156,7 @@ def test_a_group_can_ask_for_the_fork_server_and_a_longer_timeout_constant(tmp_p
 
 
 def test_a_group_without_those_keys_keeps_mutmuts_defaults(tmp_path):
-    (tmp_path / "hashing").mkdir()
-    (tmp_path / "hashing" / "chain.py").write_text("")
-    (tmp_path / "tests" / "hashing").mkdir(parents=True)
-    (tmp_path / "tests" / "hashing" / "test_chain.py").write_text("")
-    (tmp_path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    hashing_tree(tmp_path, "[tool.pytest.ini_options]\n")
     mutation.configure(tmp_path, "hashing")
     section = (tmp_path / "pyproject.toml").read_text().split("[tool.mutmut]")[1]
     assert "process_isolation" not in section and "timeout_constant" not in section
