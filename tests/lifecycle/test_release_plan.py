@@ -72,14 +72,21 @@ def test_the_sink_gets_one_complete_plan(committed, allocated, ranges):
     assert req.kv.req_pool_idx is None and rig.mgr.state_of(req) is State.RELEASED
 
 
-def test_the_plan_leaves_out_quarantined_slots_and_counts_them():
-    rig, sink = rig_with_sink()
-    req, slots = rig.admit("q", 8, 16)
-    rig.decode(req, 4)                              # ack 1 reads positions 8..11
+def released_with_an_expired_copy(rig, capacity: int):
+    """Request "q" (8 prompt tokens, ``capacity`` slots) decodes 4 tokens, whose copy (ack 1, positions
+    8..11) expires; it finishes and is released. Returns ``rig.admit``'s (req, slots)."""
+    req, slots = rig.admit("q", 8, capacity)
+    rig.decode(req, 4)
     rig.off.expire([1])
     req.finish()
     rig.mgr.finalize_release_on_finish(req)
     rig.progress()
+    return req, slots
+
+
+def test_the_plan_leaves_out_quarantined_slots_and_counts_them():
+    rig, sink = rig_with_sink()
+    req, slots = released_with_an_expired_copy(rig, 16)
     (plan,) = sink.freed
     assert plan.quarantined == 4 and plan.ranges == ((0, 12),)
     assert plan.slots.tolist() == sorted(int(s) for s in slots[:8])
@@ -218,12 +225,7 @@ def test_quarantined_slots_come_back_when_the_copy_ends_unless_the_sink_said_it_
 
     alloc, pool = PagedTokenAllocator(4 * 64, 4), ReqToTokenPool(4, 64)
     rig = Rig(4, pool=pool, alloc=alloc, release_sink=Saying(pool, alloc))
-    req, _ = rig.admit("q", 8, 12)
-    rig.decode(req, 4)                               # ack 1 reads positions 8..11
-    rig.off.expire([1])
-    req.finish()
-    rig.mgr.finalize_release_on_finish(req)
-    rig.progress()
+    req, _ = released_with_an_expired_copy(rig, 12)
     assert rig.mgr.state_of(req) is State.RELEASED
     before = alloc.available_size()
     rig.off.land([1])

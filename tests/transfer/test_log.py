@@ -117,7 +117,9 @@ def test_configured_structlog_gets_the_logger_name_and_context(structlog_restore
     assert cap.entries == [dict(event="e.x", req=3, n=1, log_level="warning")]
 
 
-def test_a_filtering_wrapper_level_is_inclusive(structlog_restored):
+def warning_filter_applies():
+    """Configure structlog with a WARNING filtering wrapper and check a transfer logger obeys it,
+    level inclusive; return the logger and the capture."""
     cap = LogCapture()
     structlog.configure(processors=[cap], wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     log = tlog.get_logger("transfer.t_log")
@@ -125,6 +127,11 @@ def test_a_filtering_wrapper_level_is_inclusive(structlog_restored):
     log.warning("b.warning")
     assert [e["event"] for e in cap.entries] == ["b.warning"]
     assert log.is_enabled_for(logging.WARNING) and not log.is_enabled_for(logging.INFO)
+    return log, cap
+
+
+def test_a_filtering_wrapper_level_is_inclusive(structlog_restored):
+    warning_filter_applies()
 
 
 class _NoLevelTest(structlog.BoundLoggerBase):
@@ -167,13 +174,7 @@ def test_without_structlogs_config_object_the_public_api_decides(structlog_resto
     """``_CONFIG`` is structlog's private configuration object; a structlog without it is asked
     through ``structlog.is_configured`` / ``get_config``, with the same outcome."""
     monkeypatch.setattr(tlog, "_CONFIG", None)
-    cap = LogCapture()
-    structlog.configure(processors=[cap], wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    log = tlog.get_logger("transfer.t_log")
-    log.info("a.info")
-    log.warning("b.warning")
-    assert [e["event"] for e in cap.entries] == ["b.warning"]
-    assert log.is_enabled_for(logging.WARNING) and not log.is_enabled_for(logging.INFO)
+    log, cap = warning_filter_applies()
     structlog.reset_defaults()
     with caplog.at_level(logging.INFO, logger="transfer.t_log"):
         log.info("c.info")

@@ -55,11 +55,9 @@ def test_namespace_seed_separates_chains():
     s.close()
 
 
-def test_page_lost_between_lookup_and_read_shortens_the_load():
-    s = build_stack(1, 1, 4, torch.float16, PS, 64, 32, 2, 32)
-    tokens = list(range(12))
-    store_request(s, 1, tokens)
-    free_before = s.allocator.available_size()
+def lose_last_page_on_read(s):
+    """Make every storage read first delete the batch's last page (lost between lookup and read);
+    return the real ``batch_get``."""
     real_get = s.storage.batch_get
 
     def lose_last(keys, into):
@@ -67,6 +65,15 @@ def test_page_lost_between_lookup_and_read_shortens_the_load():
         return real_get(keys, into)
 
     s.storage.batch_get = lose_last
+    return real_get
+
+
+def test_page_lost_between_lookup_and_read_shortens_the_load():
+    s = build_stack(1, 1, 4, torch.float16, PS, 64, 32, 2, 32)
+    tokens = list(range(12))
+    store_request(s, 1, tokens)
+    free_before = s.allocator.available_size()
+    lose_last_page_on_read(s)
     assert s.prefix_loader.start(3, tokens) == 3
     (done,) = drain(s.prefix_loader.finished, 1)
     assert done.pages == 2 and done.error.startswith("1 page") and "could not be read" in done.error
@@ -176,13 +183,7 @@ def test_loads_pages_and_short_loads_are_counted():
     s = small_stack()
     tokens = list(range(12))
     store_request(s, 1, tokens)
-    real_get = s.storage.batch_get
-
-    def lose_last(keys, into):
-        s.storage.delete(keys[-1])
-        return real_get(keys, into)
-
-    s.storage.batch_get = lose_last
+    real_get = lose_last_page_on_read(s)
     assert s.prefix_loader.start(1, tokens) == 3
     (short,) = drain(s.prefix_loader.finished, 1)
     s.storage.batch_get = real_get
