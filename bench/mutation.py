@@ -170,6 +170,15 @@ def _mutmut(snapshot: Path, env: dict, log: Path, args: list[str]) -> int:
             raise
 
 
+def listing(snapshot: Path) -> dict[str, str]:
+    """Every mutant's outcome as the snapshot's mutmut state records it (the authority: a stopped
+    run has no ``results.json``, and one written at a run's start lists every mutant not checked)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(Path(sys.executable).with_name("mutmut")), "results", "--all", "true"],
+                         cwd=snapshot, env=env, capture_output=True, text=True).stdout
+    return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
+
+
 def run_group(commit_dir: Path, commit: str, group: str, max_children: int, previous: Path | None = None,
               resume: bool = False, survivors_only: bool = False) -> dict:
     snapshot = commit_dir / group
@@ -179,8 +188,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     if continuing:
         pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet
     elif resumed:
-        old = json.loads((previous / "results.json").read_text()) if (previous / "results.json").exists() else []
-        survived_before = [m for r in old if r["group"] == group for m, s in r["outcomes"].items() if s == "survived"]
+        survived_before = [m for m, s in listing(previous / group).items() if s == "survived"]
         overlay(commit, snapshot, previous / group)
         carry_settings(previous / group / "pyproject.toml", snapshot / "pyproject.toml")
     else:
@@ -207,12 +215,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     run = ["run", "--max-children", str(max_children)]
     rc = 0 if survivors_only and survived_before else _mutmut(snapshot, env, log, run)
 
-    def listing() -> dict[str, str]:
-        out = subprocess.run([str(mutmut), "results", "--all", "true"], cwd=snapshot, env=env,
-                             capture_output=True, text=True).stdout
-        return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
-
-    outcomes = listing()
+    outcomes = listing(snapshot)
     # resumed: the previous run's survivors whose function did not change kept "survived"; run
     # them again against today's tests (mutmut re-runs a finished mutant only when named)
     again = [m for m in survived_before if outcomes.get(m) == "survived"]
@@ -225,7 +228,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
             got = _mutmut(snapshot, env, log, [*run, *batch])
         rc = got or rc
     if again:
-        outcomes = listing()
+        outcomes = listing(snapshot)
     wall = time.monotonic() - start
     survivors = [m for m, s in outcomes.items() if s == "survived"]
     subprocess.run([sys.executable, "-c", _SHOW_ALL, str(commit_dir / f"{group}.survivors.txt"), *survivors],
