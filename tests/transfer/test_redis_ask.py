@@ -185,3 +185,35 @@ def test_reads_through_ask_refresh_the_ttl_miss_absent_keys_and_leave_the_slot_m
         migration.end()
     assert all(dst.command("PTTL", h + SUFFIX) > 50_000 for h in keys[:3])  # GETEX ... PX through ASK
     s.close()
+
+
+def test_moved_is_followed_to_the_node_it_names_even_when_a_map_refresh_would_be_stale(redis_cluster):
+    """The end of a migration seen from a client whose slot map still names the source, and whose
+    map refresh would ask a node not yet told (simulated: the refresh changes nothing, as a
+    ``CLUSTER SLOTS`` from such a node does). The source answers ``MOVED dst``; the command must go
+    to ``dst`` — resent once — and find every page, store every new one."""
+    src, dst = redis_cluster.nodes[1], redis_cluster.nodes[2]
+    keys = keys_of_node(1, len(redis_cluster.nodes), 8)
+    old, new = keys[:4], keys[4:]
+    s = open_storage(redis_cluster.url, SUFFIX, NB, page_format=FMT)
+    migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in keys})
+    stale_refreshes = []
+    real_initialize = s._client.nodes_manager.initialize
+    try:
+        assert s.batch_set(old, [page(i) for i in range(4)]) == [True] * 4
+        migration.begin()
+        migration.move_all()
+        migration.end()
+        assert {s._client.get_node_from_key((h + SUFFIX).encode()).port for h in keys} == {src.port}
+        s._client.nodes_manager.initialize = lambda *a, **kw: stale_refreshes.append(1)
+        out = [torch.zeros(NB, dtype=torch.uint8) for _ in range(4)]
+        assert s.batch_get(old, out) == [True] * 4
+        assert all(torch.equal(o, page(i)) for i, o in enumerate(out))
+        assert {s._client.get_node_from_key((h + SUFFIX).encode()).port for h in old} == {dst.port}
+        assert s.batch_set(new, [page(4 + i) for i in range(4)]) == [True] * 4  # MOVED on the write path
+        assert sum(dst.command("CLUSTER", "COUNTKEYSINSLOT", slot) for slot in migration.slots) == 8
+        assert s.batch_get(keys, [torch.zeros(NB, dtype=torch.uint8) for _ in keys]) == [True] * 8
+        assert s.stats().errors == 0 and s.stats().corrupt == 0
+    finally:
+        s._client.nodes_manager.initialize = real_initialize
+    s.close()

@@ -7,8 +7,8 @@ Everything about a page — key, value (seal + bytes), ``SET NX``, verification,
 
 * a batch's packed ``SET`` commands (one buffer, see ``redis_wire``) are split by the key's hash
   slot into one pipeline per primary owning those slots, each sent with one write and read back
-  in order; a ``MOVED`` reply (slots migrated) refreshes the slot map and resends those commands
-  once; an ``ASK`` reply (the slot is migrating) resends that command behind ``ASKING`` to the
+  in order; a ``MOVED`` reply (the slot moved for good) points the slot map's entry for that slot
+  at the node the reply names and resends those commands once; an ``ASK`` reply (the slot is migrating) resends that command behind ``ASKING`` to the
   node named, without touching the slot map (``redis_ask``, per the Redis Cluster spec);
 * a batch's ``GET`` commands are split the same way, one pipeline per primary, each read straight
   into the page tensors (``redis_reader``); ``MOVED`` and ``ASK`` are handled as for writes;
@@ -141,7 +141,8 @@ class RedisClusterStorage(RedisStorage):
     def _write_wire(self, payload: memoryview, n: int) -> list:
         """The packed ``SET`` commands, one pipeline per primary owning their slots. ``ASK``: the
         command again behind ``ASKING`` to the node named, slot map unchanged (``redis_ask``);
-        ``MOVED``: the slot map refreshed and the command resent once."""
+        ``MOVED``: the slot's entry pointed at the node named (``_follow_moved``) and the command
+        resent once."""
         commands = split_commands(payload, n)
         keys = [key for _, _, key in commands]
         replies: list = [None] * n
@@ -164,14 +165,15 @@ class RedisClusterStorage(RedisStorage):
                         moved.append(i)
             if not moved or attempt:
                 break
-            self._client.nodes_manager.initialize()
+            _follow_moved(self._client, [replies[i] for i in moved])
             pending = moved
         return replies
 
     def _read_wire(self, names: list[bytes], dests: list, on_reply) -> list:
         """The ``GET`` commands, one pipeline per primary owning their slots, read into ``dests``.
         ``ASK``: asked again behind ``ASKING`` at the node named, slot map unchanged
-        (``redis_ask``); ``MOVED``: the slot map refreshed and asked again once."""
+        (``redis_ask``); ``MOVED``: the slot's entry pointed at the node named (``_follow_moved``)
+        and asked again once."""
         replies: list = [None] * len(names)
         pending = list(range(len(names)))
         for attempt in range(2):
@@ -202,9 +204,19 @@ class RedisClusterStorage(RedisStorage):
                         replies[i] = deliver(i, value, dests[i], self._reader.head_nbytes, on_reply)
             if not moved:
                 break
-            self._client.nodes_manager.initialize()
+            _follow_moved(self._client, [replies[i] for i in moved])
             pending = moved
         return replies
+
+
+def _follow_moved(client, replies: Sequence[MovedError]) -> None:
+    """Point each ``MOVED`` reply's slot at the node it names (redis-py's ``move_slot``, which adds
+    a node the client has not seen). Not a whole-map refresh: that asks one node for its
+    ``CLUSTER SLOTS``, and a node not yet told that a migration ended still names the source, so
+    the resent command met ``MOVED`` again and, resent only once, missed. The node answering
+    ``MOVED`` is the one that knows where the slot went."""
+    for reply in replies:
+        client.nodes_manager.move_slot(reply)
 
 
 def _sort(reply, i: int, moved: list[int], asked: dict) -> None:
