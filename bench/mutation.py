@@ -185,10 +185,12 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     survived_before = []
     continuing = resume and (snapshot / "mutants").is_dir()
     resumed = not continuing and previous is not None and (previous / group).is_dir()
-    if continuing:
-        pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet
-    elif resumed:
+    if previous is not None and (previous / group).is_dir():
         survived_before = [m for m, s in listing(previous / group).items() if s == "survived"]
+    if continuing:
+        pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet (with
+        # --resume-from REV too: a stopped resumed run goes on, then REV's survivors run again)
+    elif resumed:
         overlay(commit, snapshot, previous / group)
         carry_settings(previous / group / "pyproject.toml", snapshot / "pyproject.toml")
     else:
@@ -320,7 +322,8 @@ def main() -> None:
     ap.add_argument("--survivors-only", action="store_true",
                     help="with --resume-from: run only REV's survivors again (by name), nothing else")
     ap.add_argument("--continue", dest="resume", action="store_true",
-                    help="go on with a stopped run of the same commit (its snapshots kept)")
+                    help="go on with a stopped run of the same commit (its snapshots kept); with "
+                    "--resume-from REV, a stopped resumed run: REV's survivors are run again at its end")
     ap.add_argument("--resume-from", metavar="REV", help="start each group from REV's finished snapshot: only "
                     "mutants of changed functions and REV's survivors are run again")
     args = ap.parse_args()
