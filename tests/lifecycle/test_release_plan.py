@@ -163,7 +163,7 @@ def test_pools_that_can_tell_are_asked_before_anything_is_freed():
     assert rig.mgr.state_of(req) is State.RELEASED
 
 
-def test_an_allocator_that_can_tell_is_asked_even_when_the_row_pool_cannot():
+def test_an_allocator_that_can_tell_is_asked_once_per_release_beside_a_plain_row_pool():
     alloc, pool = CheckingAllocator(4 * 64, 4), ReqToTokenPool(4, 64)
     rig = Rig(4, pool=pool, alloc=alloc, release_sink=AllocatorReleaseSink(pool, alloc))
     req, _ = place(rig, "a", 8, 8)
