@@ -311,6 +311,15 @@ def report(results: list[dict], equivalent: dict[str, str]) -> None:
         print(f"\n{len(stale)} listed equivalent mutants were not generated (code changed): {stale}")
 
 
+def by_module(results: list[dict], equivalent: dict[str, str]) -> list[tuple[str, Counter, None]]:
+    """One row per mutated module (a mutant's name is its module, a dot, then its function)."""
+    outcomes: dict[str, dict[str, str]] = {}
+    for r in results:
+        for name, status in r["outcomes"].items():
+            outcomes.setdefault(name.rsplit(".", 1)[0], {})[name] = status
+    return [(module, tally(o, equivalent), None) for module, o in sorted(outcomes.items())]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", nargs="+", choices=list(GROUPS), default=list(GROUPS))
@@ -319,6 +328,7 @@ def main() -> None:
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--report-only", action="store_true", help="print the table of a finished run")
+    ap.add_argument("--by-module", action="store_true", help="also print one row per mutated module")
     ap.add_argument("--survivors-only", action="store_true",
                     help="with --resume-from: run only REV's survivors again (by name), nothing else")
     ap.add_argument("--continue", dest="resume", action="store_true",
@@ -348,6 +358,9 @@ def main() -> None:
               flush=True)
     print()
     report([done[g] for g in GROUPS if g in done], load_equivalent())
+    if args.by_module:
+        print()
+        print_table(by_module([done[g] for g in GROUPS if g in done], load_equivalent()))
     print(f"\nsurvivor diffs: {commit_dir}/<group>.survivors.txt; outcomes: {results_file}")
 
 

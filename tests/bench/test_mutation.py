@@ -211,3 +211,13 @@ def test_a_resumed_snapshot_keeps_the_settings_its_outcomes_were_obtained_with(t
     assert mutation.mutmut_section_list(new, "only_mutate") == []
     with pytest.raises(SystemExit, match="already has"):
         mutation.carry_settings(old, new)
+
+
+def test_by_module_splits_each_groups_outcomes_by_the_module_a_mutant_names():
+    results = [{"group": "g", "outcomes": {"a.b.x_f__mutmut_1": "killed", "a.b.xǁCǁm__mutmut_2": "survived",
+                                           "a.c.x_g__mutmut_1": "survived", "a.c.x_g__mutmut_2": "timeout"}}]
+    rows = {name: c for name, c, _ in mutation.by_module(results, {"a.c.x_g__mutmut_1": "same"})}
+    assert set(rows) == {"a.b", "a.c"}
+    assert (rows["a.b"]["killed"], rows["a.b"]["survived"]) == (1, 1)
+    assert (rows["a.c"]["equivalent"], rows["a.c"]["timeout"], rows["a.c"]["generated"]) == (1, 1, 2)
+    assert mutation.kill_rate(rows["a.c"]) == "100.0%"
