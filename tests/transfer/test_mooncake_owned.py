@@ -83,6 +83,44 @@ def test_a_failed_seal_write_removes_only_the_objects_it_created(store, raw, mon
     assert torch.equal(read_raw(raw, k_name), theirs[:NB // 2])
 
 
+def test_a_page_whose_k_write_failed_but_whose_seal_was_stored_misses_until_the_next_write_completes_it(
+        store, raw, monkeypatch):
+    """The seal put succeeds while the K put finds no room: nothing is removed (the seal covers
+    this page's name and bytes, so it is not wrong, only early). Reads miss (K is missing); the next
+    ``batch_set`` of the page stores K, keeps V and the seal (Mooncake keeps an existing object)
+    and the page is served, byte-exact."""
+    from transfer.storage import mooncake_conn as conn
+
+    h = fresh_hashes(1)[0]
+    ours = pages(1, seed=17)[0]
+    k_name, v_name, seal_name = objects(h)
+    tier = store._store
+
+    class NoRoomForK:
+        """The real client, except that the page's K object finds no room."""
+
+        def __init__(self, client):
+            self._client = client
+
+        def batch_put_from(self, names, ptrs, sizes, config):
+            assert names[0] == k_name
+            return [conn.NO_SPACE] + self._client.batch_put_from(names[1:], ptrs[1:], sizes[1:], config)
+
+        def __getattr__(self, name):
+            return getattr(self._client, name)
+
+    monkeypatch.setattr(tier, "_store", NoRoomForK(tier._store))
+    assert store.batch_set([h], [ours]) == [False]
+    monkeypatch.undo()
+    assert raw.batch_is_exist([k_name, v_name, seal_name]) == [0, 1, 1]
+    buf = torch.zeros(NB, dtype=torch.uint8)
+    assert store.batch_get([h], [buf]) == [False] and not buf.any()
+    assert store.batch_set([h], [ours]) == [True]
+    assert raw.batch_is_exist([k_name, v_name, seal_name]) == [1, 1, 1]
+    assert store.batch_get([h], [buf]) == [True] and torch.equal(buf, ours)
+    assert store.stats().corrupt == 0
+
+
 def test_objects_a_failed_seal_write_created_are_removed_even_while_a_reader_holds_them(store, raw, monkeypatch):
     """Between our put and its rollback a reader (SGLang on another node) reads the new K and V,
     which gives them a lease (Mooncake then refuses a plain ``remove`` with OBJECT_HAS_LEASE). The

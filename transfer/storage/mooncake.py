@@ -228,7 +228,9 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
         (one round of transfers: per-object cost dominates small pages). A page whose seal was
         not stored has the objects this put created removed again — never one that ``existed``
         before it (someone else's: Mooncake's put keeps an existing object and still answers
-        ``OK``) — so no page of ours stays without a seal."""
+        ``OK``) — so no page of ours stays without a seal. A page whose seal was stored while a
+        K/V object failed keeps what was stored (the seal covers this page's name and bytes: early,
+        not wrong): it reads as a miss until the next ``batch_set`` of it puts the missing object."""
         seals = torch.zeros(len(todo) * _SLOT, dtype=torch.uint8)
         sealed = self.settings.seal
         groups, ptrs, sizes = [], [], []
