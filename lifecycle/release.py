@@ -208,10 +208,7 @@ def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> torch.Tensor:
         row = table[row_id]
         parts = [row[s:e] for s, e in ranges]
         return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64)
-    if not table.requires_grad:
-        row = table.numpy()[row_id]
-    else:
-        row = table[row_id].detach().numpy()
+    row = table.numpy()[row_id]  # an integer table (config refuses others): never requires grad
     return torch.from_numpy((row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
                              else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64))
 

@@ -144,7 +144,7 @@ def row_slots(table: torch.Tensor, row: int, start: int, end: int) -> tuple[torc
     device-side copy, never read on the host (no sync): the ids are None and their values are
     checked where the copy runs (``transfer.gather.ChunkCopy``; a bad chunk is a failed copy)."""
     if on_host(table):
-        a = (table.detach() if table.requires_grad else table).numpy()[row, start:end].astype(np.int64)
+        a = table.numpy()[row, start:end].astype(np.int64)  # an integer table: never requires grad
         return torch.from_numpy(a), a
     return table[row, start:end].to(torch.int64, copy=True), None
 
