@@ -22,7 +22,7 @@ from lifecycle.errors import InvalidRequest, LifecycleError
 from lifecycle.records import ReleaseCheck
 from transfer.gather import check_ids_on_device
 from transfer.indices import on_host
-from lifecycle.slots import check_slots
+from lifecycle.slots import check_slots, probe_of
 
 
 class ReleaseRefused(InvalidRequest):
@@ -81,11 +81,6 @@ class ReleaseSink(Protocol):
     # slots quarantined by an expired copy then stay the scheduler's (never freed by the manager)
 
 
-def _probe(obj, name):
-    probe = getattr(obj, name, None)
-    return probe if callable(probe) else None
-
-
 class AllocatorReleaseSink:
     """Frees slots through ``token_to_kv_pool_allocator.free(indices)`` and the row through
     ``req_to_token_pool.free(req)``.
@@ -99,8 +94,8 @@ class AllocatorReleaseSink:
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_pool_allocator
-        self._check_slots = _probe(token_to_kv_pool_allocator, "check_free")
-        self._check_row = _probe(req_to_token_pool, "check_free")
+        self._check_slots = probe_of(token_to_kv_pool_allocator, "check_free")
+        self._check_row = probe_of(req_to_token_pool, "check_free")
         self._checks = self._check_slots is not None or self._check_row is not None
 
     def check(self, plan: ReleasePlan) -> None:

@@ -168,8 +168,9 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
         raise InvalidSlots(f"request {rid!r}: row {row} lists slot {slot} at a position to {verb} {_span(ranges)}, "
                            f"which {_reader(mgr, slot)} still reads")
     if indices is not None:
-        holds = getattr(mgr.token_to_kv_pool_allocator, "holds_slots", None) if run else None
-        probe = None if holds is not None and holds(lo, hi) else _probe(mgr)
+        alloc = mgr.token_to_kv_pool_allocator
+        holds = getattr(alloc, "holds_slots", None) if run else None
+        probe = None if holds is not None and holds(lo, hi) else probe_of(alloc, "check_free")
         if probe is not None:
             page = mgr._alloc_page
             firsts = (np.arange(lo // page, hi // page + 1, dtype=np.int64) if run else np.unique(s // page)) * page
@@ -184,8 +185,10 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
     return s, left_out
 
 
-def _probe(mgr):
-    probe = getattr(mgr.token_to_kv_pool_allocator, "check_free", None)
+def probe_of(obj, name: str):
+    """``obj``'s method ``name`` (an allocator's or row pool's ``check_free``), or None when it has
+    none: a pool that cannot tell is not asked."""
+    probe = getattr(obj, name, None)
     return probe if callable(probe) else None
 
 
