@@ -174,10 +174,11 @@ def test_a_page_size_that_is_not_a_positive_int_is_refused_by_every_tier(tier, n
 
 
 @pytest.mark.parametrize("kw", [dict(page_nbytes=0), dict(page_nbytes=-5), dict(capacity_bytes=0),
-                                dict(capacity_pages=-1), dict(write_threads=0), dict(stale_temp_s=math.nan),
-                                dict(stale_temp_s=-1)])
+                                dict(capacity_pages=-1), dict(write_threads=0), dict(write_threads=None),
+                                dict(stale_temp_s=math.nan), dict(stale_temp_s=-1)])
 def test_file_store_sizes_are_refused_before_the_directory_is_made(tmp_path, kw):
-    with pytest.raises(StorageConfigError):
+    (what,) = kw  # the error begins with the argument at fault (write_threads may not be None)
+    with pytest.raises(StorageConfigError, match=f"^{what} must be"):
         FileStorage(tmp_path / "store", SUFFIX, **{"page_nbytes": NB, **kw})
     assert not os.path.exists(tmp_path / "store")
 
