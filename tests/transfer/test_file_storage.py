@@ -212,6 +212,9 @@ def test_close_is_bounded_through_a_write_hung_in_the_filesystem_and_names_it(tm
     assert abandoned == [keys[1] + SUFFIX]
     (ev,) = [e for e in logs if e["event"] == "file_storage.close_abandoned"]
     assert ev["log_level"] == "error" and ev["pages"] == abandoned
+    # the line says which store, under which bound, and why the write could not just be stopped
+    assert ev["directory"] == str(tmp_path / "store") and ev["timeout"] == 0.05
+    assert "still running" in ev["detail"] and "hung filesystem call cannot be cancelled" in ev["detail"]
     hung.release()
     writer.join(10)
     assert results == [[True, False]]  # the hung page failed when it came back; its temp file is gone
@@ -265,9 +268,9 @@ def test_a_write_that_makes_no_progress_is_a_no_space_error():
         def write(self, view):
             return 0
 
-    with pytest.raises(OSError, match="short write") as err:
+    with pytest.raises(OSError) as err:
         _write_all(Full(), memoryview(b"page"))
-    assert err.value.errno == errno.ENOSPC
+    assert err.value.errno == errno.ENOSPC and err.value.strerror == "short write"  # what storage.write_failed logs
 
 
 def test_without_a_suffix_a_page_file_is_its_hash(tmp_path):
@@ -310,13 +313,13 @@ def test_an_indexed_page_of_another_size_is_a_wrong_size_miss_logged_and_zeroed(
     assert ev["expected"] == NB and ev["size"] == size
 
 
-def test_reading_a_page_raises_no_warning(tmp_path):
+def test_writing_and_reading_a_page_raise_no_warning(tmp_path):
     import warnings
     s = FileStorage(tmp_path, SUFFIX, NB)
-    s.batch_set([A], [page(4)])
     out = torch.empty(NB, dtype=torch.uint8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. a binary file opened line-buffered warns
+        assert s.batch_set([A], [page(4)]) == [True]
         assert s.batch_get([A], [out]) == [True]
     assert torch.equal(out, page(4))
 
@@ -398,3 +401,182 @@ def test_without_checksums_an_indexed_page_of_another_size_is_no_longer_present(
     assert s.batch_exists([A]) == 0 and s.stats().stale_indexed == 1
     assert s.batch_set([A], [page(1)]) == [True] and s.stats().stored == 2  # rewritten, not skipped
     assert (tmp_path / f"{A}{SUFFIX}.bin").read_bytes() == bytes(page(1).numpy())
+
+
+def test_close_waits_for_a_write_that_ends_before_its_deadline(tmp_path, monkeypatch):
+    """close(timeout) waits *up to* timeout for the writes in flight: a write that ends within the
+    bound (here one page written by the caller's own thread, released a moment after close begins)
+    is waited for, not abandoned."""
+    from tests.support.hung_fs import HungWrite
+    from tests.transfer.test_shutdown import bounded
+
+    s = FileStorage(tmp_path / "store", SUFFIX, NB)
+    hung = HungWrite(s, A + SUFFIX, monkeypatch)
+    results: list = []
+    writer = threading.Thread(target=lambda: results.append(s.batch_set([A], [page(1)])), daemon=True)
+    writer.start()
+    hung.wait_stuck()
+    releaser = threading.Timer(0.2, hung.release)  # the filesystem comes back while close waits
+    releaser.start()
+    assert bounded(lambda: s.close(timeout=10)) == []  # nothing abandoned: the write ended in time
+    releaser.join(10)
+    writer.join(10)
+    assert results == [[False]] and s.writes_in_flight() == []  # it failed on the pipe, and ended
+
+
+# --- durability, defaults and concurrency of writes ----------------------------------------------
+
+def test_fsync_is_off_by_default_and_syncs_each_whole_page_before_its_rename(tmp_path, monkeypatch):
+    """storage.md: ``fsync=True`` adds an fsync before the rename (off by default). What is synced
+    is the whole page, already handed to the file, and not yet renamed into place."""
+    default, durable = tmp_path / "default", tmp_path / "durable"
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append((os.fstat(fd).st_size, sorted(os.listdir(durable))))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    durable.mkdir()
+    assert FileStorage(default, SUFFIX, NB).batch_set([A], [page(1)]) == [True]
+    assert synced == []  # the page cache is enough for a cache that can be recomputed
+    assert FileStorage(durable, SUFFIX, NB, fsync=True).batch_set([A], [page(1)]) == [True]
+    (size, names), = synced
+    assert size == NB  # the page's bytes were in the file when it was synced
+    assert len(names) == 1 and names[0].startswith(f".{A}{SUFFIX}.bin.") and names[0].endswith(".tmp")
+    assert os.listdir(durable) == [f"{A}{SUFFIX}.bin"]
+
+
+def test_by_default_a_batch_is_written_by_two_writer_threads(tmp_path):
+    """storage.md: the file store writes a batch's pages with ``write_threads`` (default 2) threads."""
+    before = set(threading.enumerate())
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    assert s.batch_set([A, B, C, D], [page(1), page(2), page(3), page(4)]) == [True] * 4
+    started = [t for t in threading.enumerate() if t not in before and t.name.startswith("kv-file-write")]
+    assert sorted(t.name for t in started) == ["kv-file-write-0", "kv-file-write-1"]
+    s.close()
+
+
+def test_the_two_pages_of_a_batch_are_written_at_once(tmp_path, monkeypatch):
+    """Pages of a batch are written concurrently: each write of a two-page batch waits, before its
+    rename, for the other write to get there too, which only happens if both run at the same time."""
+    s = FileStorage(tmp_path, SUFFIX, NB, write_threads=2)
+    both_in_flight = threading.Barrier(2, timeout=10)
+    real_replace = os.replace
+
+    def replace(src, dst):
+        both_in_flight.wait()
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    s.close()
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert s.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
+
+
+def test_with_one_write_thread_the_caller_writes_the_batch_and_no_thread_is_started(tmp_path, monkeypatch):
+    before = set(threading.enumerate())
+    s = FileStorage(tmp_path, SUFFIX, NB, write_threads=1)
+    writers = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        writers.append(threading.current_thread())
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    assert s.batch_set([A, B, C], [page(1), page(2), page(3)]) == [True] * 3
+    assert writers == [threading.current_thread()] * 3  # one page after another, on the caller's thread
+    assert set(threading.enumerate()) <= before
+
+
+# --- what the directory scan at start removes, ignores and says -----------------------------------
+
+def test_by_default_a_temp_file_a_minute_old_is_stale_and_a_younger_one_is_left(tmp_path):
+    """storage.md: temp files older than ``stale_temp_s`` (60 s) are a crashed writer's leftovers and
+    are deleted at start (logged with their path); younger ones may belong to a live writer."""
+    from structlog.testing import capture_logs
+    now = time.time()
+    old = tmp_path / f".{A}{SUFFIX}.bin.{'ab' * 16}.tmp"
+    young = tmp_path / f".{B}{SUFFIX}.bin.{'cd' * 16}.tmp"
+    for path, age in ((old, 60.5), (young, 30)):
+        path.write_bytes(b"torn")
+        os.utime(path, (now - age, now - age))
+    with capture_logs() as logs:
+        FileStorage(tmp_path, SUFFIX, NB)
+    assert not old.exists() and young.exists()
+    (ev,) = [e for e in logs if e["event"] == "file_storage.removed_stale_temp"]
+    assert ev["log_level"] == "info" and ev["path"] == str(old)
+
+
+def test_with_stale_temp_s_zero_every_temp_file_is_removed_even_one_of_this_instant(tmp_path, monkeypatch):
+    """reliability.md: a start with ``stale_temp_s=0`` removes the temp files — all of them, even
+    one whose modification time is the very clock reading of the start."""
+    now_s = int(time.time())
+    temp = tmp_path / f".{A}{SUFFIX}.bin.{'ab' * 16}.tmp"
+    temp.write_bytes(b"torn")
+    os.utime(temp, ns=(now_s * 10**9, now_s * 10**9))
+    with monkeypatch.context() as clock:
+        clock.setattr(time, "time", lambda: float(now_s))  # the start happens at that same instant
+        FileStorage(tmp_path, SUFFIX, NB, stale_temp_s=0)
+    assert not temp.exists()
+
+
+def test_a_page_file_of_the_wrong_size_is_ignored_at_start_with_its_path_and_size(tmp_path):
+    from structlog.testing import capture_logs
+    wrong = tmp_path / f"{A}{SUFFIX}.bin"
+    wrong.write_bytes(bytes(NB + 3))
+    with capture_logs() as logs:
+        s = FileStorage(tmp_path, SUFFIX, NB)
+    assert s.stats().pages == 0 and wrong.exists()  # not indexed, not deleted
+    (ev,) = [e for e in logs if e["event"] == "file_storage.ignored_wrong_size"]
+    assert ev["log_level"] == "warning" and ev["path"] == str(wrong) and ev["size"] == NB + 3
+
+
+def test_a_symlink_named_like_a_page_is_not_indexed_at_start_nor_evicted(tmp_path):
+    """Only this store's own regular files are indexed at start: a link named like a page (to a file
+    elsewhere) is not one of them, so it is never counted nor evicted, even without a page size."""
+    elsewhere = tmp_path / "elsewhere.bin"
+    elsewhere.write_bytes(bytes(page(1).numpy()))
+    d = tmp_path / "store"
+    d.mkdir()
+    link = d / f"{A}{SUFFIX}.bin"
+    os.symlink(elsewhere, link)
+    s = FileStorage(d, SUFFIX, capacity_pages=1)
+    assert s.stats().pages == 0
+    assert s.batch_set([B], [page(2)]) == [True] and s.stats().evictions == 0
+    assert link.is_symlink() and elsewhere.exists()
+
+
+# --- construction refuses what it cannot use, and says so -----------------------------------------
+
+def test_a_directory_that_exists_but_takes_no_file_is_refused_at_construction_by_name():
+    """The directory must be writable, not merely exist: procfs exists and refuses new files even to
+    root. The error names the directory."""
+    with pytest.raises(StorageUnavailable, match="'/proc'"):
+        FileStorage("/proc", SUFFIX, NB)
+
+
+def test_on_a_filesystem_without_user_xattrs_pages_are_stored_unverified_and_each_store_warns_once(
+        tmp_path, monkeypatch):
+    """docs: on a filesystem without user xattrs the store logs ``file_storage.checksum_unsupported``
+    once (naming its directory and the error) and stores pages unverified."""
+    from structlog.testing import capture_logs
+
+    def unsupported(*a):
+        raise OSError(errno.ENOTSUP, "Operation not supported")
+
+    monkeypatch.setattr(os, "setxattr", unsupported)
+    first, second = FileStorage(tmp_path / "one", SUFFIX, NB), FileStorage(tmp_path / "two", SUFFIX, NB)
+    with capture_logs() as logs:
+        assert first.batch_set([A], [page(1)]) == [True] and first.batch_set([B], [page(2)]) == [True]
+        assert second.batch_set([A], [page(1)]) == [True]
+    warned = [e for e in logs if e["event"] == "file_storage.checksum_unsupported"]
+    assert [(e["log_level"], e["directory"]) for e in warned] == [
+        ("warning", str(tmp_path / "one")), ("warning", str(tmp_path / "two"))]
+    assert all("Operation not supported" in e["error"] for e in warned)
+    out = torch.empty(NB, dtype=torch.uint8)
+    assert first.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
+    assert first.stats().unverified == 1
