@@ -550,6 +550,30 @@ def test_a_symlink_named_like_a_page_is_not_indexed_at_start_nor_evicted(tmp_pat
     assert link.is_symlink() and elsewhere.exists()
 
 
+
+def test_a_symlink_named_like_a_page_that_appears_later_is_never_adopted_read_nor_evicted(tmp_path):
+    """The same rule after start: a link that another process puts under a page's name — here to a
+    real, sealed page of that name in another store's directory — is not this store's file. It is
+    not counted by ``batch_exists``, not served, and eviction never removes it."""
+    other = FileStorage(tmp_path / "other", SUFFIX, NB)
+    assert other.batch_set([A], [page(1)]) == [True]
+    d = tmp_path / "store"
+    s = FileStorage(d, SUFFIX, NB, capacity_pages=1)
+    link = d / f"{A}{SUFFIX}.bin"
+    os.symlink(tmp_path / "other" / f"{A}{SUFFIX}.bin", link)
+    assert s.batch_exists([A]) == 0 and s.stats().pages == 0
+    out = torch.zeros(NB, dtype=torch.uint8)
+    assert s.batch_get([A], [out]) == [False] and not out.any()
+    assert s.batch_set([B], [page(2)]) == [True] and s.stats().evictions == 0
+    assert link.is_symlink() and other.batch_exists([A]) == 1
+    # a page of this store replaced by such a link (B's file, now a link to A's): not followed
+    assert other.batch_set([B], [page(2)]) == [True]
+    mine = d / f"{B}{SUFFIX}.bin"
+    mine.unlink()
+    os.symlink(tmp_path / "other" / f"{B}{SUFFIX}.bin", mine)
+    assert s.batch_get([B], [out]) == [False] and not out.any()
+    assert mine.is_symlink() and other.batch_get([B], [out]) == [True]
+
 # --- construction refuses what it cannot use, and says so -----------------------------------------
 
 def test_a_directory_that_exists_but_takes_no_file_is_refused_at_construction_by_name():

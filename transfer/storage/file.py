@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -255,7 +256,7 @@ class FileStorage(IndexedStorage):
     def _read(self, name: str, into: torch.Tensor) -> tuple[bool, bytes | None]:
         buf = into.reshape(-1).view(torch.uint8).numpy()
         try:
-            with open(self._path(name), "rb", buffering=0) as f:
+            with open(self._path(name), "rb", buffering=0, opener=_no_follow) as f:
                 got = f.readinto(buf.data)
                 whole = got == buf.nbytes and f.read(1) == b""
                 sealed = self._get_seal(f.fileno()) if whole and self.checksum else None
@@ -289,20 +290,27 @@ class FileStorage(IndexedStorage):
             return False
 
     def _probe(self, name: str) -> int | None:
+        """Size of the regular file under ``name`` (None: none, or a link or other non-file)."""
         try:
-            return os.stat(self._path(name)).st_size
+            st = os.stat(self._path(name), follow_symlinks=False)
         except OSError:
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
 
     def _adoptable(self, name: str) -> int | None:
         """Size of ``name`` if it is a page this store would serve, judged without reading it: a
-        ``stat`` and a ``getxattr`` (its seal must name this page, this format and this size; a
-        page without a seal counts unless ``require_checksum``)."""
+        ``stat`` and a ``getxattr`` (a regular file, never a link, as at start; its seal must name
+        this page, this format and this size; a page without a seal counts unless
+        ``require_checksum``)."""
         path = self._path(name)
         try:
-            size = os.stat(path).st_size
+            st = os.stat(path, follow_symlinks=False)
         except OSError:
             return None
+        if not stat.S_ISREG(st.st_mode):
+            return None  # a link or anything else named like a page is not this store's file
+        size = st.st_size
         if self.page_nbytes is not None and size != self.page_nbytes:
             return None
         if not self.checksum:
@@ -327,3 +335,9 @@ class FileStorage(IndexedStorage):
         self._count("stale_indexed")
         self._file_oplog.warning("file_storage.page_vanished", name=name, size=self._probe(name))
         return False
+
+
+def _no_follow(path: str, flags: int) -> int:
+    """``open``'s opener for page reads: a link under a page's name fails (ELOOP) instead of being
+    followed to a file that is not this store's."""
+    return os.open(path, flags | os.O_NOFOLLOW)
