@@ -80,7 +80,7 @@ class FileStorage(IndexedStorage):
         page_nbytes: required page size (None: any); indexed files of another size are ignored.
         capacity_bytes / capacity_pages: LRU eviction bounds over this suffix's files.
         fsync: fsync each page before renaming it into place (durability across power loss).
-        stale_temp_s: this suffix's temporary files older than this are removed at start.
+        stale_temp_s: this suffix's temporary files at least this old are removed at start.
         checksum: seal each page (an xattr of its file) and verify the seal on read.
         require_checksum: strict mode: refuse (as a miss) a page with no seal; the default serves
             it, counted ``unverified`` and warned once (pages written by SGLang's HiCacheFile
