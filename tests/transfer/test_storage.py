@@ -430,3 +430,49 @@ def test_a_page_the_probe_reports_but_gone_by_the_read_is_a_miss():
     out = page(5)
     assert s.batch_get([A], [out]) == [False] and torch.equal(out, page(0))
     assert s.stats().misses == 1 and s.stats().hits == 0 and s.stats().unverified == 0
+
+
+# --- eviction, write failures and close: what the shared behaviour reports ----------------------
+
+def test_an_evicted_page_is_announced_removed_by_its_hash():
+    s = MemoryStorage(SUFFIX, NB, capacity_pages=1)
+    s.events = ev = Events()
+    assert s.batch_set([A], [page(1)]) == [True]
+    assert s.batch_set([B], [page(2)]) == [True]  # room for one page: A, the least recent, goes
+    assert ev.told == [("stored", [A]), ("stored", [B]), ("removed", [A])]  # by hash, no suffix
+    assert s.batch_exists([A]) == 0 and s.stats().evictions == 1
+
+
+def test_a_write_that_evicts_several_pages_counts_each_eviction():
+    s = MemoryStorage(SUFFIX, capacity_bytes=2 * NB)  # no page size: a page may be as big as two
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    assert s.batch_set([C], [torch.full((2 * NB,), 3, dtype=torch.uint8)]) == [True]
+    st = s.stats()
+    assert (st.evictions, st.pages, st.bytes) == (2, 1, 2 * NB)
+    assert s.batch_exists([A]) == 0 and s.batch_exists([B]) == 0 and s.batch_exists([C]) == 1
+
+
+def test_capacity_counts_the_bytes_of_pages_of_a_wider_dtype():
+    s = MemoryStorage(SUFFIX, NB, capacity_bytes=2 * NB, page_format=FMT)  # bfloat16 pages of NB bytes
+    pages = [torch.full(FMT.shape, float(i), dtype=torch.bfloat16) for i in range(3)]
+    assert s.batch_set([A, B, C], pages) == [True] * 3
+    st = s.stats()
+    assert (st.pages, st.bytes, st.evictions) == (2, 2 * NB, 1)  # 2 x 64 bytes, not 2 x 32 elements
+    assert s.batch_exists([A]) == 0 and s.batch_exists([B, C]) == 2
+
+
+def test_an_eviction_that_fails_is_logged_with_the_page_and_the_error_and_not_announced(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB, capacity_pages=1)
+    s.events = ev = Events()
+    assert s.batch_set([A], [page(1)]) == [True]
+    path = tmp_path / f"{A}{SUFFIX}.bin"
+    os.unlink(path)
+    os.mkdir(path)  # unlinking a directory fails (EISDIR), even for root
+    with capture_logs() as logs:
+        assert s.batch_set([B], [page(2)]) == [True]  # B is stored; evicting A fails
+    (e,) = [e for e in logs if e["event"] == "storage.evict_failed"]
+    assert e["log_level"] == "warning" and e["name"] == A + SUFFIX and "directory" in e["error"].lower()
+    assert ev.told == [("stored", [A]), ("stored", [B])]  # A was not removed: nothing announced
+    assert s.stats().evictions == 1 and s.stats().pages == 1
+
