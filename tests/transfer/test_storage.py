@@ -430,3 +430,147 @@ def test_a_page_the_probe_reports_but_gone_by_the_read_is_a_miss():
     out = page(5)
     assert s.batch_get([A], [out]) == [False] and torch.equal(out, page(0))
     assert s.stats().misses == 1 and s.stats().hits == 0 and s.stats().unverified == 0
+
+
+# --- eviction, write failures and close: what the shared behaviour reports ----------------------
+
+def test_an_evicted_page_is_announced_removed_by_its_hash():
+    s = MemoryStorage(SUFFIX, NB, capacity_pages=1)
+    s.events = ev = Events()
+    assert s.batch_set([A], [page(1)]) == [True]
+    assert s.batch_set([B], [page(2)]) == [True]  # room for one page: A, the least recent, goes
+    assert ev.told == [("stored", [A]), ("stored", [B]), ("removed", [A])]  # by hash, no suffix
+    assert s.batch_exists([A]) == 0 and s.stats().evictions == 1
+
+
+def test_a_write_that_evicts_several_pages_counts_each_eviction():
+    s = MemoryStorage(SUFFIX, capacity_bytes=2 * NB)  # no page size: a page may be as big as two
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    assert s.batch_set([C], [torch.full((2 * NB,), 3, dtype=torch.uint8)]) == [True]
+    st = s.stats()
+    assert (st.evictions, st.pages, st.bytes) == (2, 1, 2 * NB)
+    assert s.batch_exists([A]) == 0 and s.batch_exists([B]) == 0 and s.batch_exists([C]) == 1
+
+
+def test_capacity_counts_the_bytes_of_pages_of_a_wider_dtype():
+    s = MemoryStorage(SUFFIX, NB, capacity_bytes=2 * NB, page_format=FMT)  # bfloat16 pages of NB bytes
+    pages = [torch.full(FMT.shape, float(i), dtype=torch.bfloat16) for i in range(3)]
+    assert s.batch_set([A, B, C], pages) == [True] * 3
+    st = s.stats()
+    assert (st.pages, st.bytes, st.evictions) == (2, 2 * NB, 1)  # 2 x 64 bytes, not 2 x 32 elements
+    assert s.batch_exists([A]) == 0 and s.batch_exists([B, C]) == 2
+
+
+def test_an_eviction_that_fails_is_logged_with_the_page_and_the_error_and_not_announced(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB, capacity_pages=1)
+    s.events = ev = Events()
+    assert s.batch_set([A], [page(1)]) == [True]
+    path = tmp_path / f"{A}{SUFFIX}.bin"
+    os.unlink(path)
+    os.mkdir(path)  # unlinking a directory fails (EISDIR), even for root
+    with capture_logs() as logs:
+        assert s.batch_set([B], [page(2)]) == [True]  # B is stored; evicting A fails
+    (e,) = [e for e in logs if e["event"] == "storage.evict_failed"]
+    assert e["log_level"] == "warning" and e["name"] == A + SUFFIX and "directory" in e["error"].lower()
+    assert ev.told == [("stored", [A]), ("stored", [B])]  # A was not removed: nothing announced
+    assert s.stats().evictions == 1 and s.stats().pages == 1
+
+
+def test_a_failed_page_write_is_logged_with_its_error_and_does_not_stop_the_others(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    os.mkdir(tmp_path / f"{A}{SUFFIX}.bin")  # A's page cannot replace a directory (EISDIR)
+    with capture_logs() as logs:
+        assert s.batch_set([A, B, C], [page(1), page(2), page(3)]) == [False, True, True]
+    (e,) = [e for e in logs if e["event"] == "storage.write_failed"]
+    assert e["log_level"] == "error" and e["name"] == A + SUFFIX and e["errno"] == errno.EISDIR
+    assert "directory" in e["error"].lower()
+    st = s.stats()
+    assert (st.errors, st.stored, st.pages) == (1, 2, 2)
+    out = page(0)
+    assert s.batch_get([C], [out]) == [True] and torch.equal(out, page(3))
+
+
+def test_close_writes_the_summary_of_the_rate_limited_failure_lines(tmp_path):
+    from structlog.testing import capture_logs
+    s = FileStorage(tmp_path, SUFFIX, NB)
+    for key in (A, B, C):
+        os.mkdir(tmp_path / f"{key}{SUFFIX}.bin")  # every page of the batch fails
+    with capture_logs() as logs:
+        assert s.batch_set([A, B, C], [page(1), page(2), page(3)]) == [False] * 3
+        assert len([e for e in logs if e["event"] == "storage.write_failed"]) == 1  # the first only
+        assert s.close() == []
+    lines = [e for e in logs if e["event"] == "storage.write_failed"]
+    assert len(lines) == 2 and lines[1]["summary"] is True and lines[1]["suppressed"] == 2
+    assert s.stats().errors == 3  # the counter keeps every occurrence
+
+
+def test_a_backend_implementing_only_the_abstract_methods_closes_with_nothing_abandoned():
+    from transfer.storage import Storage
+
+    class Dict(Storage):  # the storage contract over a dict: no index, no log, nothing in flight
+        suffix, page_nbytes = SUFFIX, NB
+
+        def __init__(self):
+            self.pages = {}
+
+        def batch_set(self, keys, pages):
+            for key, pg in zip(keys, pages):
+                self.pages.setdefault(key, pg.clone())
+            return [True] * len(keys)
+
+        def batch_get(self, keys, into):
+            for key, buf in zip(keys, into):
+                if key in self.pages:
+                    buf.copy_(self.pages[key])
+            return [key in self.pages for key in keys]
+
+        def batch_exists(self, keys):
+            return next((i for i, key in enumerate(keys) if key not in self.pages), len(keys))
+
+        def delete(self, key):
+            return self.pages.pop(key, None) is not None
+
+        def stats(self):
+            return StorageStats(pages=len(self.pages))
+
+    s = Dict()
+    assert s.batch_set([A], [page(1)]) == [True] and s.batch_exists([A, B]) == 1
+    assert s.close() == [] and s.close(timeout=0.5) == []  # the default close: nothing to wait for
+
+
+def test_an_indexed_backend_built_with_the_defaults_seals_pages_and_serves_them_by_bare_hash():
+    from transfer.storage import IndexedStorage
+
+    class Dict(IndexedStorage):  # the three primitives over a dict; IndexedStorage's defaults
+        def __init__(self):
+            super().__init__()
+            self.pages = {}
+
+        def _write(self, name, pg, seal_bytes):
+            self.pages[name] = (pg.reshape(-1).view(torch.uint8).clone(), seal_bytes)
+
+        def _read(self, name, into):
+            data, seal_bytes = self.pages.get(name, (None, None))
+            if data is None or data.numel() != into.numel():
+                return False, None
+            into.reshape(-1).view(torch.uint8).copy_(data)
+            return True, seal_bytes
+
+        def _remove(self, name):
+            return self.pages.pop(name, None) is not None
+
+        def _probe(self, name):  # pages stored by someone else count too
+            return self.pages[name][0].numel() if name in self.pages else None
+
+    s = Dict()
+    assert (s.suffix, s.page_nbytes, s.checksum, s.require_checksum) == ("", None, True, False)
+    assert s.batch_set([A], [page(1)]) == [True]
+    assert list(s.pages) == [A] and s.pages[A][1] is not None  # stored under the bare hash, sealed
+    out = page(0)
+    assert s.batch_get([A], [out]) == [True] and torch.equal(out, page(1))
+    assert s.stats().unverified == 0  # verified against its seal
+    s.pages[B] = (page(2).clone(), None)  # a page without a seal (as SGLang writes them): lax by default
+    assert s.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
+    assert s.stats().unverified == 1
