@@ -18,7 +18,8 @@ crashed) / (generated - equivalent - no tests - not run).
 mutmut runs only the mutants that have no outcome yet). ``--resume-from REV`` starts each group from REV's finished snapshot instead of from scratch:
 the library files are replaced by this commit's (mutmut regenerates them and resets the outcomes
 of every function whose code changed), the tests are this commit's (new tests get their stats
-run), and REV's survivors that kept their outcome are run again by name. A killed mutant of an
+run), and REV's survivors and timeouts that kept their outcome are run again by name (a timeout
+may be only a run slowed by load past its bound). A killed mutant of an
 unchanged function stays killed: tests are only ever added or tightened. The resumed snapshot keeps
 REV's ``[tool.mutmut]`` settings (pytest arguments, test files): mutmut throws away every outcome of
 a group whose settings changed, so test files added since REV are not run (they are listed). ``--report-only`` reprints a finished run's table.
@@ -186,7 +187,9 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     continuing = resume and (snapshot / "mutants").is_dir()
     resumed = not continuing and previous is not None and (previous / group).is_dir()
     if previous is not None and (previous / group).is_dir():
-        survived_before = [m for m, s in listing(previous / group).items() if s == "survived"]
+        # REV's timeouts too: a test run slowed by load past its bound is reported as a timeout
+        # (counted detected) whatever the mutant does; seen on mutants that only reword a message
+        survived_before = [m for m, s in listing(previous / group).items() if s in ("survived", "timeout")]
     if continuing:
         pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet (with
         # --resume-from REV too: a stopped resumed run goes on, then REV's survivors run again)
@@ -218,9 +221,9 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     rc = 0 if survivors_only and survived_before else _mutmut(snapshot, env, log, run)
 
     outcomes = listing(snapshot)
-    # resumed: the previous run's survivors whose function did not change kept "survived"; run
-    # them again against today's tests (mutmut re-runs a finished mutant only when named)
-    again = [m for m in survived_before if outcomes.get(m) == "survived"]
+    # resumed: the previous run's survivors and timeouts whose function did not change kept their
+    # outcome; run them again against today's tests (mutmut re-runs a finished mutant only when named)
+    again = [m for m in survived_before if outcomes.get(m) in ("survived", "timeout")]
     for i in range(0, len(again), 200):
         batch = again[i:i + 200]
         got = _mutmut(snapshot, env, log, [*run, *batch])
@@ -330,7 +333,7 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="print the table of a finished run")
     ap.add_argument("--by-module", action="store_true", help="also print one row per mutated module")
     ap.add_argument("--survivors-only", action="store_true",
-                    help="with --resume-from: run only REV's survivors again (by name), nothing else")
+                    help="with --resume-from: run only REV's survivors and timeouts again (by name), nothing else")
     ap.add_argument("--continue", dest="resume", action="store_true",
                     help="go on with a stopped run of the same commit (its snapshots kept); with "
                     "--resume-from REV, a stopped resumed run: REV's survivors are run again at its end")
