@@ -19,7 +19,7 @@ from lifecycle_tools.testkit.redis_server import free_port
 from transfer import StorageUnavailable, build_stack, open_storage
 from transfer.errors import StorageConfigError
 from transfer.storage.breaker import CircuitBreaker
-from transfer.storage.integrity import PageFormat
+from transfer.storage.integrity import PageFormat, raw_format, seal
 from transfer.storage.redis import HEADER_NBYTES, RedisStorage
 
 NB = 64
@@ -121,6 +121,29 @@ def test_corrupt_page_is_a_counted_miss_and_is_removed(redis_url):
     assert torch.equal(out[0], page(1))
     c.close()
     s.close()
+
+
+def test_refused_values_are_logged_with_name_verdict_and_size_and_only_corrupt_ones_removed(redis_url):
+    """What ``batch_get`` refuses is logged (name, verdict, the value's size). A value that is not a
+    seal is corrupt (and removed) whatever its bytes happen to say; a real seal of a page of
+    another size (here zero bytes: the value is the seal alone) is a wrong-size miss, kept."""
+    from structlog.testing import capture_logs
+    c = raw_client(redis_url)
+    not_a_seal = bytearray(HEADER_NBYTES + 1)
+    not_a_seal[8:16] = (1).to_bytes(8, "little")  # where a seal keeps its body size: "1", no magic
+    c.set(A + "_m_0_1", bytes(not_a_seal))
+    c.set(B + "_m_0_1", seal(B + "_m_0_1", raw_format(page(2)), b""))  # a seal over zero page bytes
+    for k, verdict, size in ((A, "corrupt", HEADER_NBYTES + 1), (B, "wrong_size", HEADER_NBYTES)):
+        s = RedisStorage(redis_url, "_m_0_1", NB)  # a store of its own: its log is rate-limited per event
+        with capture_logs() as logs:
+            assert s.batch_get([k], [torch.zeros(NB, dtype=torch.uint8)]) == [False]
+        (e,) = [e for e in logs if e["event"] == "redis_storage.page_refused"]
+        assert (e["log_level"], e["name"], e["verdict"], e["size"]) == ("error", k + "_m_0_1", verdict, size)
+        st = s.stats()
+        assert st.misses == 1 and (st.corrupt, st.wrong_size) == ((1, 0) if verdict == "corrupt" else (0, 1))
+        s.close()
+    assert c.exists(A + "_m_0_1") == 0 and c.exists(B + "_m_0_1") == 1  # only the corrupt one removed
+    c.close()
 
 
 def test_truncated_page_is_not_found(redis_url):
@@ -259,13 +282,32 @@ def test_delete_reports_what_the_server_did(make_redis_server):
         time.sleep(0.02)
     r = RedisStorage(replica.url, "_m_0_1", NB)
     assert r.batch_exists([A]) == 1
-    assert r.delete(A) is False and r.stats().errors == 1  # READONLY: refused, reported
+    with structlog.testing.capture_logs() as logs:
+        assert r.delete(A) is False and r.stats().errors == 1  # READONLY: refused, reported
+    (e,) = [e for e in logs if e["event"] == "redis_storage.delete_failed"]
+    assert e["log_level"] == "error" and e["name"] == A + "_m_0_1" and e["error"].startswith("You can't write")
     assert r.batch_exists([A]) == 1
     assert p.delete(A) is True and p.delete(A) is False
     c.replicaof("NO", "ONE")
     c.close()
     for s in (p, r):
         s.close()
+
+
+def test_a_delete_is_counted_and_announced_by_page_hash_and_an_unreachable_one_names_the_delete(make_redis_server):
+    from tests.transfer.test_storage import Events
+    server = make_redis_server()
+    s = RedisStorage(server.url, "_m_0_1", NB, socket_timeout_s=1.0)
+    s.events = ev = Events()
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    assert s.delete(A) is True and s.delete(B) is True
+    assert s.delete(A) is False  # already gone: nothing removed, nothing to announce
+    assert s.stats().deletes == 2
+    assert [told for told in ev.told if told[0] == "removed"] == [("removed", [A]), ("removed", [B])]
+    server.stop()
+    with pytest.raises(StorageUnavailable, match=r"is unreachable \(delete\): "):
+        s.delete(B)
+    s.close()
 
 
 def test_exists_counts_only_our_pages_and_set_repairs_foreign_values(redis_url):
