@@ -223,11 +223,31 @@ def test_a_reply_that_is_not_a_get_reply_is_a_protocol_error_and_drops_the_conne
     listener.close()
 
 
+def get_two(answer: bytes) -> list:
+    """``get_into`` of two names against a peer answering ``answer`` then closing its side: the
+    second reply is already buffered when the first is done (the reader's common case)."""
+    listener, url = scripted_server(answer, close_after=True)
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return GetReader(HEADER_NBYTES).get_into(client, [b"j", b"k"], None, [memoryview(bytearray(8))] * 2,
+                                                 lambda j, r, h: None)
+    finally:
+        client.close()
+        listener.close()
+
+
 @pytest.mark.parametrize("line", [b"$x1", b"$" + b"9x" * 30])
-def test_a_bad_bulk_length_reply_is_named_in_the_error(line):
+@pytest.mark.parametrize("after_a_nil", [False, True])
+def test_a_bad_bulk_length_reply_is_named_in_the_error(line, after_a_nil):
     with pytest.raises(ProtocolError, match=r"^bad bulk length ") as err:
-        get_one(line + b"\r\n")
+        get_two(b"$-1\r\n" + line + b"\r\n") if after_a_nil else get_one(line + b"\r\n")
     assert str(err.value).endswith(repr(line[:40]))  # the line quoted, cut at 40 bytes
+
+
+def test_an_empty_map_after_a_nil_is_not_taken_for_an_empty_value():
+    assert get_two(b"$-1\r\n$0\r\n\r\n") == [None, 0]  # an empty value: its length, 0
+    with pytest.raises(ProtocolError, match=r"^unexpected reply to GET: b'%0'$"):
+        get_two(b"$-1\r\n%0\r\n\r\n")  # a RESP3 map is not a reply to GET, even when buffered
 
 
 def test_nil_and_error_replies_are_handed_over_with_an_empty_head_and_any_error_text():
