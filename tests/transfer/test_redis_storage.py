@@ -307,6 +307,42 @@ def test_a_delete_is_counted_and_announced_by_page_hash_and_an_unreachable_one_n
     server.stop()
     with pytest.raises(StorageUnavailable, match=r"is unreachable \(delete\): "):
         s.delete(B)
+    with pytest.raises(StorageUnavailable, match=r"is unavailable \(get\): circuit open"):  # a read now
+        s.batch_get([B], [torch.empty(NB, dtype=torch.uint8)])
+    s.close()
+
+
+def test_pages_found_by_reading_count_toward_this_clients_capacity(redis_url):
+    """``capacity_pages`` bounds the pages *this client* wrote or found: pages another client
+    wrote, once read here, are indexed, and the least recently used beyond the bound evicted."""
+    from tests.transfer.test_storage import Events
+    w = RedisStorage(redis_url, "_m_0_1", NB)
+    assert w.batch_set([A, B, K1], [page(1), page(2), page(3)]) == [True] * 3
+    r = RedisStorage(redis_url, "_m_0_1", NB, capacity_pages=1)
+    r.events = ev = Events()
+    out = [torch.empty(NB, dtype=torch.uint8) for _ in range(3)]
+    assert r.batch_get([A, B, K1], out) == [True] * 3  # one batch: A, then B, then K1 found
+    st = r.stats()
+    assert st.pages == 1 and st.evictions == 2
+    assert ev.told == [("removed", [A, B])]
+    c = raw_client(redis_url)
+    assert [c.exists(x + "_m_0_1") for x in (A, B, K1)] == [0, 0, 1]  # evicted from the server
+    c.close()
+    w.close()
+    r.close()
+
+
+def test_a_value_the_server_refuses_to_read_is_a_miss_counted_and_logged_with_its_error(redis_url):
+    s = RedisStorage(redis_url, "_m_0_1", NB)
+    c = raw_client(redis_url)
+    c.rpush(A + "_m_0_1", b"not a string")  # GET answers WRONGTYPE
+    with structlog.testing.capture_logs() as logs:
+        assert s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)]) == [False]
+    (e,) = [e for e in logs if e["event"] == "redis_storage.read_failed"]
+    assert e["log_level"] == "error" and e["name"] == A + "_m_0_1" and e["error"].startswith("WRONGTYPE")
+    assert s.stats().errors == 1 and s.stats().misses == 1
+    c.delete(A + "_m_0_1")
+    c.close()
     s.close()
 
 
