@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -53,6 +54,29 @@ def test_unreachable_server_is_a_typed_one_line_error_and_fast():
     assert "Connection refused" in msg  # the reason, on one line
     with pytest.raises(StorageUnavailable):
         build_stack(1, 1, 4, torch.float16, 4, 16, 16, 1, 16, storage=url)
+
+
+def test_a_server_that_never_accepts_is_a_connect_timeout_not_a_wait_for_the_kernel():
+    """``connect_timeout_s`` bounds connecting on its own (reads have their own, long, timeout):
+    a listener whose accept queue is full drops the connection attempt, and the store gives up
+    after ``connect_timeout_s``, saying so, instead of waiting for the kernel's retries to end."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    queued = []
+    while True:  # fill the accept queue: the next connection attempt goes unanswered
+        sock = socket.socket()
+        sock.settimeout(0.3)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except TimeoutError:
+            sock.close()
+            break
+        queued.append(sock)
+    with pytest.raises(StorageUnavailable, match=r"is unreachable: Timeout connecting to server$"):
+        RedisStorage(f"redis://127.0.0.1:{port}/0", "_m_0_1", NB, connect_timeout_s=0.2, socket_timeout_s=600)
+    for sock in queued:
+        sock.close()
+    listener.close()
 
 
 def test_open_storage_specs(tmp_path, redis_url):
