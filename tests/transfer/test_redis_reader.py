@@ -428,3 +428,34 @@ def test_crlf_split_across_receives_keeps_the_bytes_already_buffered():
     assert wire.line() == b"next"
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("line", [b"", b"+" + b"x" * 60])
+def test_an_unexpected_reply_line_is_quoted_in_the_error(line):
+    with pytest.raises(ProtocolError, match=r"^unexpected reply to GET: ") as err:
+        get_one(line + b"\r\n")  # an empty line, a long simple string: neither is a reply to GET
+    assert str(err.value).endswith(repr(line[:40]))
+
+
+def test_a_partial_line_deep_in_the_buffer_is_kept_and_completed_by_the_next_receive():
+    a, b = socket.socketpair()
+    b.sendall(b"v" * 4500 + b"ab")  # a value's bytes, then the start of the next line
+    wire = _Wire(a, bytearray(8192))
+    wire.skip(4500)  # the buffer now holds only "ab", far from its start
+    b.sendall(b"c\r\n")
+    b.shutdown(socket.SHUT_WR)
+    assert wire.line() == b"abc"
+    with pytest.raises(redis.ConnectionError, match=r"^Connection closed by server while reading a reply\.$"):
+        wire.line()
+    a.close()
+    b.close()
+
+
+def test_a_line_longer_than_the_limit_is_refused_by_name():
+    a, b = socket.socketpair()
+    b.sendall(b"$" + b"9" * 5000)
+    wire = _Wire(a, bytearray(8192))
+    with pytest.raises(ProtocolError, match=r"^reply line longer than 4096 bytes$"):
+        wire.line()
+    a.close()
+    b.close()
