@@ -495,6 +495,36 @@ def test_a_repair_round_trip_refused_is_named_in_the_error(redis_url, step, what
     s.close()
 
 
+class WritesRefusedFrom(CircuitBreaker):
+    """A breaker that, at its ``from_call``-th ``allow``, has the server refuse every write from
+    then on (``min-replicas-to-write`` with no replica: each write answers ``NOREPLICAS``)."""
+
+    def __init__(self, server_url: str, from_call: int):
+        super().__init__("test")
+        self.server_url, self.from_call, self.calls = server_url, from_call, 0
+
+    def allow(self):
+        self.calls += 1
+        if self.calls == self.from_call:
+            c = raw_client(self.server_url)
+            c.config_set("min-replicas-to-write", 1)
+            c.close()
+        return super().allow()
+
+
+def test_a_repair_the_server_refuses_is_a_failed_write_not_a_repaired_page(make_redis_server):
+    server = make_redis_server()
+    s = RedisStorage(server.url, "_m_0_1", NB, breaker=WritesRefusedFrom(server.url, 3))  # 3: the repair
+    c = raw_client(server.url)
+    c.set(A + "_m_0_1", b"not a page")  # SET NX keeps it: checked, then the overwrite is refused
+    with structlog.testing.capture_logs() as logs:
+        assert s.batch_set([A], [page(1)]) == [False]
+    assert s.stats().repaired == 0 and not [e for e in logs if e["event"] == "redis_storage.repaired"]
+    assert c.get(A + "_m_0_1") == b"not a page"
+    c.close()
+    s.close()
+
+
 def test_a_repair_overwrites_only_the_foreign_values_keeps_the_ttl_and_logs_each(redis_url):
     s = RedisStorage(redis_url, "_m_0_1", NB, ttl_s=600)
     assert s.batch_set([A], [page(1)]) == [True]  # ours: a later SET of it is skipped, not repaired
