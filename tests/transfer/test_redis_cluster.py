@@ -63,6 +63,20 @@ def test_pages_spread_over_all_primaries_and_read_back(redis_cluster):
         s.close()
 
 
+def test_an_existence_check_counts_only_our_pages_even_when_a_key_holds_another_type(redis_cluster):
+    s = open_storage(redis_cluster.url, "_m_0_1", NB, page_format=FMT)
+    c = raw_client(redis_cluster)
+    ours, listed = hashes(2)
+    assert s.batch_set([ours], [page(1)]) == [True]
+    c.rpush(listed + "_m_0_1", b"not a page")  # its check answers WRONGTYPE: not ours, not a failure
+    try:
+        assert s.batch_exists([ours, listed]) == 1 and s.stats().unavailable == 0
+    finally:
+        c.delete(listed + "_m_0_1")
+        c.close()
+        s.close()
+
+
 def test_split_commands_finds_every_key():
     payload = b"".join(redis.connection.PythonRespSerializer(
         buffer_cutoff=1 << 30, encode=lambda x: x if isinstance(x, bytes) else str(x).encode()).pack(
