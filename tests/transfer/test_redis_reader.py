@@ -439,8 +439,9 @@ def test_an_unexpected_reply_line_is_quoted_in_the_error(line):
 
 def test_a_partial_line_deep_in_the_buffer_is_kept_and_completed_by_the_next_receive():
     a, b = socket.socketpair()
-    b.sendall(b"v" * 4500 + b"ab")  # a value's bytes, then the start of the next line
+    b.sendall(b"$4500\r\n" + b"v" * 4500 + b"ab")  # a reply line, its value, the start of the next line
     wire = _Wire(a, bytearray(8192))
+    assert wire.line() == b"$4500"  # one receive: all of it is buffered now
     wire.skip(4500)  # the buffer now holds only "ab", far from its start
     b.sendall(b"c\r\n")
     b.shutdown(socket.SHUT_WR)
