@@ -217,3 +217,47 @@ def test_moved_is_followed_to_the_node_it_names_even_when_a_map_refresh_would_be
     finally:
         s._client.nodes_manager.initialize = real_initialize
     s.close()
+
+
+# --- the pieces the resent commands go through ---------------------------------------------------
+
+def test_an_asking_refused_is_the_error_of_the_command_behind_it(redis_url):
+    """``send_asking``: a node that refuses ``ASKING`` (here a server without cluster support) has
+    not taken the command as an ``ASK`` resend, so that command's result is the refusal."""
+    import redis
+    from transfer.storage.redis_ask import send_asking
+    client = redis.Redis.from_url(redis_url)
+    name = f"ask-refused-{next(_n)}".encode()
+    packed = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1\r\nv\r\n" % (len(name), name)
+    (reply,) = send_asking(client, [packed])
+    assert isinstance(reply, redis.ResponseError) and "cluster support disabled" in str(reply)
+    client.close()
+
+
+def test_values_read_through_ask_are_handed_over_as_the_wire_reader_hands_them():
+    """``deliver``: nil and errors with an empty head; a value as its length and its head, the
+    rest copied into the page only when it fits exactly (as ``redis_reader`` does)."""
+    from redis import ResponseError
+    from transfer.storage.redis_ask import deliver
+    seen = []
+    on_reply = lambda j, reply, head: seen.append((j, reply, bytes(head)))  # noqa: E731
+    dest = memoryview(bytearray(b"...."))
+    err = ResponseError("WRONGTYPE not a string")
+    assert deliver(3, None, dest, 4, on_reply) is None
+    assert deliver(4, err, dest, 4, on_reply) is err
+    assert deliver(5, b"HEADlonger", dest, 4, on_reply) == 10 and bytes(dest) == b"...."  # does not fit
+    assert deliver(6, b"HEADbody", dest, 4, on_reply) == 8 and bytes(dest) == b"body"
+    assert seen == [(3, None, b""), (4, err, b""), (5, 10, b"HEAD"), (6, 8, b"HEAD")]
+
+
+def test_an_ask_naming_a_node_outside_the_cluster_is_a_connection_error(redis_cluster):
+    import pytest
+    from redis.cluster import RedisCluster as ClusterClient
+    from redis.exceptions import AskError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from transfer.storage.redis_ask import ask_node
+    from transfer.storage.redis_cluster import node_url
+    client = ClusterClient.from_url(node_url(redis_cluster.url))
+    with pytest.raises(RedisConnectionError, match=r"^ASK names 127\.0\.0\.1:1, not a node of the cluster$"):
+        ask_node(client, AskError("3999 127.0.0.1:1"))
+    client.close()

@@ -63,6 +63,20 @@ def test_pages_spread_over_all_primaries_and_read_back(redis_cluster):
         s.close()
 
 
+def test_an_existence_check_counts_only_our_pages_even_when_a_key_holds_another_type(redis_cluster):
+    s = open_storage(redis_cluster.url, "_m_0_1", NB, page_format=FMT)
+    c = raw_client(redis_cluster)
+    ours, listed = hashes(2)
+    assert s.batch_set([ours], [page(1)]) == [True]
+    c.rpush(listed + "_m_0_1", b"not a page")  # its check answers WRONGTYPE: not ours, not a failure
+    try:
+        assert s.batch_exists([ours, listed]) == 1 and s.stats().unavailable == 0
+    finally:
+        c.delete(listed + "_m_0_1")
+        c.close()
+        s.close()
+
+
 def test_split_commands_finds_every_key():
     payload = b"".join(redis.connection.PythonRespSerializer(
         buffer_cutoff=1 << 30, encode=lambda x: x if isinstance(x, bytes) else str(x).encode()).pack(
@@ -118,6 +132,54 @@ def test_urls_and_an_unreachable_cluster():
     assert time.monotonic() - t < 3.0
 
 
+def test_cluster_url_errors_say_what_is_wrong_and_the_unreachable_error_says_why():
+    assert node_url("redis+cluster://127.0.0.1:7000/") == "redis://127.0.0.1:7000/"  # database 0 too
+    with pytest.raises(StorageConfigError, match=r"^a Redis Cluster has only database 0: 'redis\+cluster://h:7000/3'$"):
+        node_url("redis+cluster://h:7000/3")
+    with pytest.raises(StorageConfigError, match=r"^expected redis\+cluster://HOST:PORT, got 'redis://h:1'$"):
+        node_url("redis://h:1")
+    from lifecycle_tools.testkit.redis_server import free_port
+
+    port = free_port()
+    with pytest.raises(StorageUnavailable, match=rf"^redis cluster at redis\+cluster://127\.0\.0\.1:{port} is unreachable: "
+                                                 rf".*connecting to 127\.0\.0\.1:{port}\. Connection refused"):
+        open_storage(f"redis+cluster://127.0.0.1:{port}", "_m_0_1", NB)
+
+
+def test_a_node_that_never_accepts_is_a_connect_timeout_not_a_wait_for_the_kernel():
+    """As for one server: ``connect_timeout_s`` alone bounds reaching the cluster's first node (a
+    listener with a full accept queue never answers the attempt), whatever ``socket_timeout_s``."""
+    import socket
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    queued = []
+    while True:  # fill the accept queue: the next connection attempt goes unanswered
+        sock = socket.socket()
+        sock.settimeout(0.3)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except TimeoutError:
+            sock.close()
+            break
+        queued.append(sock)
+    with pytest.raises(StorageUnavailable, match=r"is unreachable: .*Timeout connecting to server$"):
+        RedisClusterStorage(f"redis+cluster://127.0.0.1:{port}", "_m_0_1", NB, connect_timeout_s=0.2,
+                            socket_timeout_s=600)
+    for sock in queued:
+        sock.close()
+    listener.close()
+
+
+def test_a_cluster_store_without_a_suffix_keeps_pages_under_their_hash(redis_cluster):
+    s = RedisClusterStorage(redis_cluster.url, page_nbytes=NB, page_format=FMT)
+    (k,) = hashes(1)
+    assert s.batch_set([k], [page(5)]) == [True]
+    admin = ClusterClient.from_url(node_url(redis_cluster.url))
+    assert admin.exists(k) == 1  # the name is the page hash alone
+    admin.close()
+    s.close()
+
+
 def test_a_dead_primary_is_a_typed_bounded_error(redis_cluster):
     """Last in the module: it kills a node of the shared cluster."""
     s = open_storage(redis_cluster.url, "_m_0_1", NB, page_format=FMT)
@@ -130,6 +192,8 @@ def test_a_dead_primary_is_a_typed_bounded_error(redis_cluster):
             s.batch_set(hashes(24), [page(i) for i in range(24)])
         with pytest.raises(StorageUnavailable):  # the breaker is open now: refused at once
             s.batch_get(keys, [torch.empty(NB, dtype=torch.uint8) for _ in keys])
+        with pytest.raises(StorageUnavailable, match=r"\(delete\): circuit open"):  # the refused call named
+            s.delete(keys[0])
         assert time.monotonic() - t < 8.0 and s.stats().unavailable >= 2
     finally:
         s.close()

@@ -205,7 +205,11 @@ def scripted_server(answer: bytes, close_after: bool = False) -> tuple[socket.so
 
 
 @pytest.mark.parametrize("answer", [b"*1\r\n$1\r\nx\r\n", b"$x1\r\n", b"$3\r\nabcXY", b":1\r\n",
-                                    b"$1\r\nab\r\n", b"$" + b"9" * 5000, b"+OK\r\n", b">1\r\n$x\r\n"])
+                                    b"$1\r\nab\r\n", b"$" + b"9" * 5000, b"+OK\r\n", b">1\r\n$x\r\n",
+                                    b"%0\r\n\r\n",  # an empty RESP3 map, not a bulk string
+                                    # a one-byte value whose terminator is not CRLF:
+                                    b"$1\r\naX\n", b"$1\r\na\x0e\n", b"$1\r\n\n\rX", b"$1\r\na\rX\n",
+                                    b"$1\r\na\rX", b"$1\r\na\r\x0b"])
 def test_a_reply_that_is_not_a_get_reply_is_a_protocol_error_and_drops_the_connection(answer):
     listener, url = scripted_server(answer)
     client = redis.Redis.from_url(url, socket_timeout=2)
@@ -217,6 +221,75 @@ def test_a_reply_that_is_not_a_get_reply_is_a_protocol_error_and_drops_the_conne
     assert dest == bytearray(8)
     client.close()
     listener.close()
+
+
+def get_two(answer: bytes) -> list:
+    """``get_into`` of two names against a peer answering ``answer`` then closing its side: the
+    second reply is already buffered when the first is done (the reader's common case)."""
+    listener, url = scripted_server(answer, close_after=True)
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    try:
+        return GetReader(HEADER_NBYTES).get_into(client, [b"j", b"k"], None, [memoryview(bytearray(8))] * 2,
+                                                 lambda j, r, h: None)
+    finally:
+        client.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("line", [b"$x1", b"$" + b"9x" * 30])
+@pytest.mark.parametrize("after_a_nil", [False, True])
+def test_a_bad_bulk_length_reply_is_named_in_the_error(line, after_a_nil):
+    with pytest.raises(ProtocolError, match=r"^bad bulk length ") as err:
+        get_two(b"$-1\r\n" + line + b"\r\n") if after_a_nil else get_one(line + b"\r\n")
+    assert str(err.value).endswith(repr(line[:40]))  # the line quoted, cut at 40 bytes
+
+
+def test_an_empty_map_after_a_nil_is_not_taken_for_an_empty_value():
+    assert get_two(b"$-1\r\n$0\r\n\r\n") == [None, 0]  # an empty value: its length, 0
+    with pytest.raises(ProtocolError, match=r"^unexpected reply to GET: b'%0'$"):
+        get_two(b"$-1\r\n%0\r\n\r\n")  # a RESP3 map is not a reply to GET, even when buffered
+
+
+def test_nil_and_error_replies_are_handed_over_with_an_empty_head_and_any_error_text():
+    """``on_reply`` gets nil as None and an error reply as the server's error (its text decoded
+    even when it is not UTF-8), each with an empty head; the values after them are still read."""
+    listener, url = scripted_server(b"$-1\r\n-ERR bad \xff\xfe key\r\n$2\r\nok\r\n")
+    client = redis.Redis.from_url(url, socket_timeout=2)
+    seen = []
+    replies = GetReader(HEADER_NBYTES).get_into(client, [b"a", b"b", b"c"], None, [memoryview(bytearray(8))] * 3,
+                                                lambda j, r, h: seen.append((j, r, bytes(h))))
+    assert replies[0] is None and isinstance(replies[1], redis.ResponseError) and replies[2] == 2
+    assert str(replies[1]) == "bad \ufffd\ufffd key"  # ERR is the error's kind, the rest its text
+    assert seen == [(0, None, b""), (1, replies[1], b""), (2, 2, b"ok")]
+    client.close()
+    listener.close()
+
+
+def test_page_bytes_that_look_like_reply_framing_are_read_as_page_bytes(redis_url):
+    s = RedisStorage(redis_url, SUF, NB)
+    framing = (b"XX\r\nXX$-1\r\n-ERR x\r\n$3\r\nabc\r\n>1\r\n" * NB)[:NB]
+    tricky = torch.frombuffer(bytearray(framing), dtype=torch.uint8)
+    assert s.batch_set([key(8), key(7)], [page(8), tricky]) == [True, True]
+    out = filled(2)
+    assert s.batch_get([key(8), key(7)], out) == [True, True]  # the second reply arrives with the first
+    assert torch.equal(out[0], page(8)) and torch.equal(out[1], tricky)
+    s.close()
+
+
+def test_a_seal_split_across_receives_is_read_whole():
+    """A buffer refill can end inside a value's seal: the seal is completed from the socket."""
+    body = bytes(range(8))
+    value = seal("k", raw_format(torch.frombuffer(bytearray(body), dtype=torch.uint8)), body) + body
+    a, b = socket.socketpair()
+    b.sendall(b"$%d\r\n" % len(value) + value + b"\r\n")
+    b.shutdown(socket.SHUT_WR)
+    line_nbytes = len(b"$%d\r\n" % len(value))
+    wire = _Wire(a, bytearray(line_nbytes + HEADER_NBYTES - 1))  # the first receive ends 1 byte short of the seal
+    head, dest, seen = memoryview(bytearray(HEADER_NBYTES)), memoryview(bytearray(8)), []
+    assert GetReader(HEADER_NBYTES)._one(wire, head, dest, 0, lambda j, r, h: seen.append(bytes(h))) == len(value)
+    assert seen == [value[:HEADER_NBYTES]] and bytes(dest) == body
+    a.close()
+    b.close()
 
 
 def test_ttl_reads_use_getex(redis_url):
@@ -353,5 +426,37 @@ def test_crlf_split_across_receives_keeps_the_bytes_already_buffered():
     b.shutdown(socket.SHUT_WR)
     wire.crlf()
     assert wire.line() == b"next"
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("line", [b"", b"+" + b"x" * 60])
+def test_an_unexpected_reply_line_is_quoted_in_the_error(line):
+    with pytest.raises(ProtocolError, match=r"^unexpected reply to GET: ") as err:
+        get_one(line + b"\r\n")  # an empty line, a long simple string: neither is a reply to GET
+    assert str(err.value).endswith(repr(line[:40]))
+
+
+def test_a_partial_line_deep_in_the_buffer_is_kept_and_completed_by_the_next_receive():
+    a, b = socket.socketpair()
+    b.sendall(b"$4500\r\n" + b"v" * 4500 + b"ab")  # a reply line, its value, the start of the next line
+    wire = _Wire(a, bytearray(8192))
+    assert wire.line() == b"$4500"  # one receive: all of it is buffered now
+    wire.skip(4500)  # the buffer now holds only "ab", far from its start
+    b.sendall(b"c\r\n")
+    b.shutdown(socket.SHUT_WR)
+    assert wire.line() == b"abc"
+    with pytest.raises(redis.ConnectionError, match=r"^Connection closed by server while reading a reply\.$"):
+        wire.line()
+    a.close()
+    b.close()
+
+
+def test_a_line_longer_than_the_limit_is_refused_by_name():
+    a, b = socket.socketpair()
+    b.sendall(b"$" + b"9" * 5000)
+    wire = _Wire(a, bytearray(8192))
+    with pytest.raises(ProtocolError, match=r"^reply line longer than 4096 bytes$"):
+        wire.line()
     a.close()
     b.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -19,7 +20,7 @@ from lifecycle_tools.testkit.redis_server import free_port
 from transfer import StorageUnavailable, build_stack, open_storage
 from transfer.errors import StorageConfigError
 from transfer.storage.breaker import CircuitBreaker
-from transfer.storage.integrity import PageFormat
+from transfer.storage.integrity import PageFormat, raw_format, seal
 from transfer.storage.redis import HEADER_NBYTES, RedisStorage
 
 NB = 64
@@ -53,6 +54,29 @@ def test_unreachable_server_is_a_typed_one_line_error_and_fast():
     assert "Connection refused" in msg  # the reason, on one line
     with pytest.raises(StorageUnavailable):
         build_stack(1, 1, 4, torch.float16, 4, 16, 16, 1, 16, storage=url)
+
+
+def test_a_server_that_never_accepts_is_a_connect_timeout_not_a_wait_for_the_kernel():
+    """``connect_timeout_s`` bounds connecting on its own (reads have their own, long, timeout):
+    a listener whose accept queue is full drops the connection attempt, and the store gives up
+    after ``connect_timeout_s``, saying so, instead of waiting for the kernel's retries to end."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    queued = []
+    while True:  # fill the accept queue: the next connection attempt goes unanswered
+        sock = socket.socket()
+        sock.settimeout(0.3)
+        try:
+            sock.connect(("127.0.0.1", port))
+        except TimeoutError:
+            sock.close()
+            break
+        queued.append(sock)
+    with pytest.raises(StorageUnavailable, match=r"is unreachable: Timeout connecting to server$"):
+        RedisStorage(f"redis://127.0.0.1:{port}/0", "_m_0_1", NB, connect_timeout_s=0.2, socket_timeout_s=600)
+    for sock in queued:
+        sock.close()
+    listener.close()
 
 
 def test_open_storage_specs(tmp_path, redis_url):
@@ -121,6 +145,29 @@ def test_corrupt_page_is_a_counted_miss_and_is_removed(redis_url):
     assert torch.equal(out[0], page(1))
     c.close()
     s.close()
+
+
+def test_refused_values_are_logged_with_name_verdict_and_size_and_only_corrupt_ones_removed(redis_url):
+    """What ``batch_get`` refuses is logged (name, verdict, the value's size). A value that is not a
+    seal is corrupt (and removed) whatever its bytes happen to say; a real seal of a page of
+    another size (here zero bytes: the value is the seal alone) is a wrong-size miss, kept."""
+    from structlog.testing import capture_logs
+    c = raw_client(redis_url)
+    not_a_seal = bytearray(HEADER_NBYTES + 1)
+    not_a_seal[8:16] = (1).to_bytes(8, "little")  # where a seal keeps its body size: "1", no magic
+    c.set(A + "_m_0_1", bytes(not_a_seal))
+    c.set(B + "_m_0_1", seal(B + "_m_0_1", raw_format(page(2)), b""))  # a seal over zero page bytes
+    for k, verdict, size in ((A, "corrupt", HEADER_NBYTES + 1), (B, "wrong_size", HEADER_NBYTES)):
+        s = RedisStorage(redis_url, "_m_0_1", NB)  # a store of its own: its log is rate-limited per event
+        with capture_logs() as logs:
+            assert s.batch_get([k], [torch.zeros(NB, dtype=torch.uint8)]) == [False]
+        (e,) = [e for e in logs if e["event"] == "redis_storage.page_refused"]
+        assert (e["log_level"], e["name"], e["verdict"], e["size"]) == ("error", k + "_m_0_1", verdict, size)
+        st = s.stats()
+        assert st.misses == 1 and (st.corrupt, st.wrong_size) == ((1, 0) if verdict == "corrupt" else (0, 1))
+        s.close()
+    assert c.exists(A + "_m_0_1") == 0 and c.exists(B + "_m_0_1") == 1  # only the corrupt one removed
+    c.close()
 
 
 def test_truncated_page_is_not_found(redis_url):
@@ -259,13 +306,68 @@ def test_delete_reports_what_the_server_did(make_redis_server):
         time.sleep(0.02)
     r = RedisStorage(replica.url, "_m_0_1", NB)
     assert r.batch_exists([A]) == 1
-    assert r.delete(A) is False and r.stats().errors == 1  # READONLY: refused, reported
+    with structlog.testing.capture_logs() as logs:
+        assert r.delete(A) is False and r.stats().errors == 1  # READONLY: refused, reported
+    (e,) = [e for e in logs if e["event"] == "redis_storage.delete_failed"]
+    assert e["log_level"] == "error" and e["name"] == A + "_m_0_1" and e["error"].startswith("You can't write")
     assert r.batch_exists([A]) == 1
     assert p.delete(A) is True and p.delete(A) is False
     c.replicaof("NO", "ONE")
     c.close()
     for s in (p, r):
         s.close()
+
+
+def test_a_delete_is_counted_and_announced_by_page_hash_and_an_unreachable_one_names_the_delete(make_redis_server):
+    from tests.transfer.test_storage import Events
+    server = make_redis_server()
+    s = RedisStorage(server.url, "_m_0_1", NB, socket_timeout_s=1.0)
+    s.events = ev = Events()
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    assert s.delete(A) is True and s.delete(B) is True
+    assert s.delete(A) is False  # already gone: nothing removed, nothing to announce
+    assert s.stats().deletes == 2
+    assert [told for told in ev.told if told[0] == "removed"] == [("removed", [A]), ("removed", [B])]
+    server.stop()
+    with pytest.raises(StorageUnavailable, match=r"is unreachable \(delete\): "):
+        s.delete(B)
+    with pytest.raises(StorageUnavailable, match=r"is unavailable \(get\): circuit open"):  # a read now
+        s.batch_get([B], [torch.empty(NB, dtype=torch.uint8)])
+    s.close()
+
+
+def test_pages_found_by_reading_count_toward_this_clients_capacity(redis_url):
+    """``capacity_pages`` bounds the pages *this client* wrote or found: pages another client
+    wrote, once read here, are indexed, and the least recently used beyond the bound evicted."""
+    from tests.transfer.test_storage import Events
+    w = RedisStorage(redis_url, "_m_0_1", NB)
+    assert w.batch_set([A, B, K1], [page(1), page(2), page(3)]) == [True] * 3
+    r = RedisStorage(redis_url, "_m_0_1", NB, capacity_pages=1)
+    r.events = ev = Events()
+    out = [torch.empty(NB, dtype=torch.uint8) for _ in range(3)]
+    assert r.batch_get([A, B, K1], out) == [True] * 3  # one batch: A, then B, then K1 found
+    st = r.stats()
+    assert st.pages == 1 and st.evictions == 2
+    assert ev.told == [("removed", [A, B])]
+    c = raw_client(redis_url)
+    assert [c.exists(x + "_m_0_1") for x in (A, B, K1)] == [0, 0, 1]  # evicted from the server
+    c.close()
+    w.close()
+    r.close()
+
+
+def test_a_value_the_server_refuses_to_read_is_a_miss_counted_and_logged_with_its_error(redis_url):
+    s = RedisStorage(redis_url, "_m_0_1", NB)
+    c = raw_client(redis_url)
+    c.rpush(A + "_m_0_1", b"not a string")  # GET answers WRONGTYPE
+    with structlog.testing.capture_logs() as logs:
+        assert s.batch_get([A], [torch.empty(NB, dtype=torch.uint8)]) == [False]
+    (e,) = [e for e in logs if e["event"] == "redis_storage.read_failed"]
+    assert e["log_level"] == "error" and e["name"] == A + "_m_0_1" and e["error"].startswith("WRONGTYPE")
+    assert s.stats().errors == 1 and s.stats().misses == 1
+    c.delete(A + "_m_0_1")
+    c.close()
+    s.close()
 
 
 def test_exists_counts_only_our_pages_and_set_repairs_foreign_values(redis_url):
@@ -389,6 +491,36 @@ def test_a_repair_round_trip_refused_is_named_in_the_error(redis_url, step, what
     b.calls, b.refuse_from = 0, step  # 1: the SETs, 2: the check of the skipped ones, 3: the repair
     with pytest.raises(StorageUnavailable, match=rf"\({what}\): circuit open"):
         s.batch_set([A], [page(1)])
+    c.close()
+    s.close()
+
+
+class WritesRefusedFrom(CircuitBreaker):
+    """A breaker that, at its ``from_call``-th ``allow``, has the server refuse every write from
+    then on (``min-replicas-to-write`` with no replica: each write answers ``NOREPLICAS``)."""
+
+    def __init__(self, server_url: str, from_call: int):
+        super().__init__("test")
+        self.server_url, self.from_call, self.calls = server_url, from_call, 0
+
+    def allow(self):
+        self.calls += 1
+        if self.calls == self.from_call:
+            c = raw_client(self.server_url)
+            c.config_set("min-replicas-to-write", 1)
+            c.close()
+        return super().allow()
+
+
+def test_a_repair_the_server_refuses_is_a_failed_write_not_a_repaired_page(make_redis_server):
+    server = make_redis_server()
+    s = RedisStorage(server.url, "_m_0_1", NB, breaker=WritesRefusedFrom(server.url, 3))  # 3: the repair
+    c = raw_client(server.url)
+    c.set(A + "_m_0_1", b"not a page")  # SET NX keeps it: checked, then the overwrite is refused
+    with structlog.testing.capture_logs() as logs:
+        assert s.batch_set([A], [page(1)]) == [False]
+    assert s.stats().repaired == 0 and not [e for e in logs if e["event"] == "redis_storage.repaired"]
+    assert c.get(A + "_m_0_1") == b"not a page"
     c.close()
     s.close()
 
