@@ -223,7 +223,8 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     outcomes = listing(snapshot)
     # resumed: the previous run's survivors and timeouts whose function did not change kept their
     # outcome; run them again against today's tests (mutmut re-runs a finished mutant only when named)
-    again = [m for m in survived_before if outcomes.get(m) in ("survived", "timeout")]
+    known_equivalent = load_equivalent()  # they survive by definition: not run again
+    again = [m for m in survived_before if outcomes.get(m) in ("survived", "timeout") and m not in known_equivalent]
     for i in range(0, len(again), 200):
         batch = again[i:i + 200]
         got = _mutmut(snapshot, env, log, [*run, *batch])
