@@ -302,3 +302,42 @@ def test_pools_with_no_check_free_attribute_at_all_are_trusted():
     sink.check(plan)
     sink.free(plan)
     assert freed == [("slots", [5, 6]), ("row", "req")]
+
+
+class NoCheckAttribute(PagedTokenAllocator):
+    """An allocator without any ``check_free`` attribute (SGLang's allocators have none)."""
+
+    def __getattribute__(self, name):
+        if name == "check_free":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+class CheckFlag(PagedTokenAllocator):
+    check_free = True                                # a flag of that name, not a method
+
+
+def _offload_then_release(alloc_cls):
+    """One request offloads a chunk, finishes and is released; returns (manager stats, state,
+    free slots afterwards)."""
+    alloc, pool = alloc_cls(4 * 64, 4), ReqToTokenPool(4, 64)
+    rig = Rig(4, pool=pool, alloc=alloc, release_sink=AllocatorReleaseSink(pool, alloc))
+    req, _ = rig.admit("n", 8, 16)
+    rig.decode(req, 4)                               # a chunk planned through the slot check
+    rig.off.land()                                   # every copy lands
+    rig.progress()
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    return rig.mgr.stats(), rig.mgr.state_of(req), alloc.available_size()
+
+
+@pytest.mark.parametrize("alloc_cls", [NoCheckAttribute, CheckFlag])
+def test_an_allocator_without_a_check_free_method_is_never_asked_and_chunks_and_releases_go_ahead(alloc_cls):
+    """``check_free`` is asked only when it is a method: an allocator without one (no such
+    attribute, or an attribute of that name that is not callable) is not asked by the chunk
+    plan's slot check nor by the default release sink; its request offloads and is released
+    exactly as one on an allocator that can tell."""
+    stats, state, free = _offload_then_release(alloc_cls)
+    base_stats, base_state, base_free = _offload_then_release(PagedTokenAllocator)
+    assert stats.chunks_enqueued == base_stats.chunks_enqueued >= 1
+    assert state is base_state is State.RELEASED and free == base_free
