@@ -297,20 +297,15 @@ class FileStorage(IndexedStorage):
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-
     def _adoptable(self, name: str) -> int | None:
         """Size of ``name`` if it is a page this store would serve, judged without reading it: a
         ``stat`` and a ``getxattr`` (a regular file, never a link, as at start; its seal must name
         this page, this format and this size; a page without a seal counts unless
         ``require_checksum``)."""
-        path = self._path(name)
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
+        size = self._probe(name)  # None: no file, or a link or anything else not this store's file
+        if size is None:
             return None
-        if not stat.S_ISREG(st.st_mode):
-            return None  # a link or anything else named like a page is not this store's file
-        size = st.st_size
+        path = self._path(name)
         if self.page_nbytes is not None and size != self.page_nbytes:
             return None
         if not self.checksum:
