@@ -573,6 +573,25 @@ def test_a_symlink_named_like_a_page_that_appears_later_is_never_adopted_read_no
     os.symlink(tmp_path / "other" / f"{B}{SUFFIX}.bin", mine)
     assert s.batch_get([B], [out]) == [False] and not out.any()
     assert mine.is_symlink() and other.batch_get([B], [out]) == [True]
+    # deleting either name removes no link (a delete of a name that holds no page of ours: False)
+    assert s.delete(A) is False and s.delete(B) is False
+    assert link.is_symlink() and mine.is_symlink() and other.batch_exists([A, B]) == 2
+
+
+def test_an_indexed_page_replaced_by_a_link_is_not_evicted_through_the_link(tmp_path):
+    """Eviction is a delete too: a page this store indexed, whose file another process then
+    replaced by a link, is dropped from the index when its turn comes, and the link stays."""
+    other = FileStorage(tmp_path / "other", SUFFIX, NB)
+    assert other.batch_set([A], [page(1)]) == [True]
+    d = tmp_path / "store"
+    s = FileStorage(d, SUFFIX, NB, capacity_pages=1)
+    assert s.batch_set([A], [page(1)]) == [True]
+    mine = d / f"{A}{SUFFIX}.bin"
+    mine.unlink()
+    os.symlink(tmp_path / "other" / f"{A}{SUFFIX}.bin", mine)
+    assert s.batch_set([B], [page(2)]) == [True]     # A's turn to be evicted
+    assert mine.is_symlink() and other.batch_exists([A]) == 1
+    assert s.batch_exists([B]) == 1 and s.stats().pages == 1
 
 # --- construction refuses what it cannot use, and says so -----------------------------------------
 

@@ -283,8 +283,11 @@ class FileStorage(IndexedStorage):
         return None if raw.startswith(b"wsum64 ") else raw
 
     def _remove(self, name: str) -> bool:
+        path = self._path(name)
+        if os.path.islink(path):  # a link named like a page is not this store's file: left alone
+            return False
         try:
-            os.unlink(self._path(name))
+            os.unlink(path)
             return True
         except FileNotFoundError:
             return False
