@@ -15,7 +15,7 @@ from redis.cluster import RedisCluster as ClusterClient
 
 from lifecycle_tools.testkit.redis_cluster import redis_cluster  # noqa: F401 (fixture)
 from tests.support.decode_driver import DIM, HEADS, LAYERS, MAX_LEN, PS, ROWS, Scheduler
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, never_accepting_port
 from transfer import build_stack, open_storage
 from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.storage.integrity import SEAL_NBYTES, PageFormat
@@ -149,25 +149,10 @@ def test_cluster_url_errors_say_what_is_wrong_and_the_unreachable_error_says_why
 def test_a_node_that_never_accepts_is_a_connect_timeout_not_a_wait_for_the_kernel():
     """As for one server: ``connect_timeout_s`` alone bounds reaching the cluster's first node (a
     listener with a full accept queue never answers the attempt), whatever ``socket_timeout_s``."""
-    import socket
-    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
-    port = listener.getsockname()[1]
-    queued = []
-    while True:  # fill the accept queue: the next connection attempt goes unanswered
-        sock = socket.socket()
-        sock.settimeout(0.3)
-        try:
-            sock.connect(("127.0.0.1", port))
-        except TimeoutError:
-            sock.close()
-            break
-        queued.append(sock)
-    with pytest.raises(StorageUnavailable, match=r"is unreachable: .*Timeout connecting to server$"):
+    with never_accepting_port() as port, \
+            pytest.raises(StorageUnavailable, match=r"is unreachable: .*Timeout connecting to server$"):
         RedisClusterStorage(f"redis+cluster://127.0.0.1:{port}", "_m_0_1", NB, connect_timeout_s=0.2,
                             socket_timeout_s=600)
-    for sock in queued:
-        sock.close()
-    listener.close()
 
 
 def test_a_cluster_store_without_a_suffix_keeps_pages_under_their_hash(redis_cluster):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 import hashing
 from lifecycle import State
 from tests.support.decode_driver import DIM, HEADS, LAYERS, MAX_LEN, PS, ROWS, Scheduler
+from tests.support.transfer_helpers import never_accepting_port
 from lifecycle_tools.testkit.redis_server import free_port
 from transfer import StorageUnavailable, build_stack, open_storage
 from transfer.errors import StorageConfigError
@@ -60,23 +60,9 @@ def test_a_server_that_never_accepts_is_a_connect_timeout_not_a_wait_for_the_ker
     """``connect_timeout_s`` bounds connecting on its own (reads have their own, long, timeout):
     a listener whose accept queue is full drops the connection attempt, and the store gives up
     after ``connect_timeout_s``, saying so, instead of waiting for the kernel's retries to end."""
-    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
-    port = listener.getsockname()[1]
-    queued = []
-    while True:  # fill the accept queue: the next connection attempt goes unanswered
-        sock = socket.socket()
-        sock.settimeout(0.3)
-        try:
-            sock.connect(("127.0.0.1", port))
-        except TimeoutError:
-            sock.close()
-            break
-        queued.append(sock)
-    with pytest.raises(StorageUnavailable, match=r"is unreachable: Timeout connecting to server$"):
+    with never_accepting_port() as port, \
+            pytest.raises(StorageUnavailable, match=r"is unreachable: Timeout connecting to server$"):
         RedisStorage(f"redis://127.0.0.1:{port}/0", "_m_0_1", NB, connect_timeout_s=0.2, socket_timeout_s=600)
-    for sock in queued:
-        sock.close()
-    listener.close()
 
 
 def test_open_storage_specs(tmp_path, redis_url):
