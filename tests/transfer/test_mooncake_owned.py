@@ -37,6 +37,16 @@ def read_raw(raw, name: str) -> torch.Tensor:
     return out
 
 
+class Wrapped:
+    """The real client with some calls replaced (set as attributes, or overridden in a subclass)."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
 def test_a_stale_seal_never_deletes_another_writers_page(store, raw):
     """Our K/V evicted, our seal left; SGLang then writes the same page name with its own bytes.
     Our read misses (the bytes fail our seal) and SGLang's objects stay readable."""
@@ -63,18 +73,12 @@ def test_a_failed_seal_write_removes_only_the_objects_it_created(store, raw, mon
     _replace(raw, k_name, theirs[:NB // 2].clone())  # SGLang's K only (its V was evicted)
     tier = store._store  # the MooncakeStorage under the counting wrapper
 
-    class NoRoomForSeals:
+    class NoRoomForSeals(Wrapped):
         """The real client, except that a seal object finds no room (Mooncake's NO_AVAILABLE_HANDLE)."""
-
-        def __init__(self, client):
-            self._client = client
 
         def batch_put_from(self, names, ptrs, sizes, config):
             codes = self._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config)
             return codes + [conn.NO_SPACE]
-
-        def __getattr__(self, name):
-            return getattr(self._client, name)
 
     monkeypatch.setattr(tier, "_store", NoRoomForSeals(tier._store))
     assert store.batch_set([h], [ours]) == [False]
@@ -96,18 +100,12 @@ def test_a_page_whose_k_write_failed_but_whose_seal_was_stored_misses_until_the_
     k_name, v_name, seal_name = objects(h)
     tier = store._store
 
-    class NoRoomForK:
+    class NoRoomForK(Wrapped):
         """The real client, except that the page's K object finds no room."""
-
-        def __init__(self, client):
-            self._client = client
 
         def batch_put_from(self, names, ptrs, sizes, config):
             assert names[0] == k_name
             return [conn.NO_SPACE] + self._client.batch_put_from(names[1:], ptrs[1:], sizes[1:], config)
-
-        def __getattr__(self, name):
-            return getattr(self._client, name)
 
     monkeypatch.setattr(tier, "_store", NoRoomForK(tier._store))
     assert store.batch_set([h], [ours]) == [False]
@@ -132,11 +130,8 @@ def test_objects_a_failed_seal_write_created_are_removed_even_while_a_reader_hol
     k_name, v_name, seal_name = objects(h)
     tier = store._store
 
-    class ReadBeforeRollback:
+    class ReadBeforeRollback(Wrapped):
         """The real client; a seal finds no room, and the page objects are read right after the put."""
-
-        def __init__(self, client):
-            self._client = client
 
         def batch_put_from(self, names, ptrs, sizes, config):
             codes = self._client.batch_put_from(names[:-1], ptrs[:-1], sizes[:-1], config)
@@ -144,9 +139,6 @@ def test_objects_a_failed_seal_write_created_are_removed_even_while_a_reader_hol
             for name in (k_name, v_name):
                 read_raw(raw, name)  # leased now
             return codes + [conn.NO_SPACE]
-
-        def __getattr__(self, name):
-            return getattr(self._client, name)
 
     monkeypatch.setattr(tier, "_store", ReadBeforeRollback(tier._store))
     assert store.batch_set([h], [ours]) == [False]
@@ -246,16 +238,6 @@ def sglang_writes(raw, h: str, page: torch.Tensor) -> None:
 
 def events(logs, name: str) -> list[dict]:
     return [e for e in logs if e.get("event") == name]
-
-
-class Wrapped:
-    """The real client with some calls replaced (set as attributes)."""
-
-    def __init__(self, client):
-        self._client = client
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
 
 
 def test_a_batch_reseals_each_page_on_its_own_objects(store, raw):
