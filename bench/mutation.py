@@ -64,6 +64,8 @@ KILLED = {"killed", "caught by type check"}
 CRASHED = {"segfault"}
 # ``bench.mutation_order``: each mutant's tests run cheapest first (see that module; outcomes unchanged)
 PYTEST_ARGS = ["-p", "no:cacheprovider", "-p", "bench.mutation_order", "-x", "-q", "--hypothesis-seed=0"]
+MUTMUT = Path(sys.executable).with_name("mutmut")
+RERUN = ("survived", "timeout")  # a resumed run's outcomes that are run again (``rerun_names``)
 COLUMNS = ("generated", "killed", "survived", "timeout", "crashed", "no tests", "other", "not run", "equivalent")
 
 
@@ -162,7 +164,7 @@ def mutmut_section_list(pyproject: Path, key: str) -> list[str]:
 
 def _mutmut(snapshot: Path, env: dict, log: Path, args: list[str]) -> int:
     with open(log, "ab") as out:  # its own process group: stopping the campaign stops its workers
-        proc = subprocess.Popen([str(Path(sys.executable).with_name("mutmut")), *args], cwd=snapshot,
+        proc = subprocess.Popen([str(MUTMUT), *args], cwd=snapshot,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return proc.wait()
@@ -171,12 +173,26 @@ def _mutmut(snapshot: Path, env: dict, log: Path, args: list[str]) -> int:
             raise
 
 
+def rerun_names(before: list[str], outcomes: dict[str, str], equivalent: dict[str, str]) -> list[str]:
+    """Of a resumed run's previous survivors and timeouts (``before``), those to run again by name
+    (mutmut re-runs a finished mutant only when named): the ones whose function did not change kept
+    that outcome here, and are not listed equivalent (they survive by definition). A timeout is
+    run again because a test run slowed by load past its bound is reported as one (counted
+    detected) whatever the mutant does; seen on mutants that only reword a message."""
+    return [m for m in before if outcomes.get(m) in RERUN and m not in equivalent]
+
+
+def _mutmut_env() -> dict:
+    """This environment for mutmut, without PYTHONPATH: mutmut puts mutants/ first on sys.path
+    itself (a PYTHONPATH entry breaks its test run)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
 def listing(snapshot: Path) -> dict[str, str]:
     """Every mutant's outcome as the snapshot's mutmut state records it (the authority: a stopped
     run has no ``results.json``, and one written at a run's start lists every mutant not checked)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    out = subprocess.run([str(Path(sys.executable).with_name("mutmut")), "results", "--all", "true"],
-                         cwd=snapshot, env=env, capture_output=True, text=True).stdout
+    out = subprocess.run([str(MUTMUT), "results", "--all", "true"],
+                         cwd=snapshot, env=_mutmut_env(), capture_output=True, text=True).stdout
     return dict(line.strip().rsplit(": ", 1) for line in out.splitlines() if ": " in line)
 
 
@@ -185,11 +201,10 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     snapshot = commit_dir / group
     survived_before = []
     continuing = resume and (snapshot / "mutants").is_dir()
-    resumed = not continuing and previous is not None and (previous / group).is_dir()
-    if previous is not None and (previous / group).is_dir():
-        # REV's timeouts too: a test run slowed by load past its bound is reported as a timeout
-        # (counted detected) whatever the mutant does; seen on mutants that only reword a message
-        survived_before = [m for m, s in listing(previous / group).items() if s in ("survived", "timeout")]
+    from_rev = previous is not None and (previous / group).is_dir()
+    resumed = not continuing and from_rev
+    if from_rev:
+        survived_before = [m for m, s in listing(previous / group).items() if s in RERUN]
     if continuing:
         pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet (with
         # --resume-from REV too: a stopped resumed run goes on, then REV's survivors run again)
@@ -204,9 +219,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
         if set(tests) - kept:
             print(f"  {group}: test files new since {previous.name} are not run (the selection is kept so "
                   f"mutmut keeps its outcomes): {sorted(set(tests) - kept)}", flush=True)
-    mutmut = Path(sys.executable).with_name("mutmut")
-    # mutmut puts mutants/ first on sys.path itself (a PYTHONPATH entry breaks its test run).
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = _mutmut_env()
     env["CI"] = "true"  # a test that needs a server fails instead of skipping
     # one torch/OpenMP thread: mutmut forks each mutant's run from a process whose thread pool is
     # started, and a child entering a parallel region then waits forever on a lock its parent's
@@ -221,10 +234,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     rc = 0 if survivors_only and survived_before else _mutmut(snapshot, env, log, run)
 
     outcomes = listing(snapshot)
-    # resumed: the previous run's survivors and timeouts whose function did not change kept their
-    # outcome; run them again against today's tests (mutmut re-runs a finished mutant only when named)
-    known_equivalent = load_equivalent()  # they survive by definition: not run again
-    again = [m for m in survived_before if outcomes.get(m) in ("survived", "timeout") and m not in known_equivalent]
+    again = rerun_names(survived_before, outcomes, load_equivalent())
     for i in range(0, len(again), 200):
         batch = again[i:i + 200]
         got = _mutmut(snapshot, env, log, [*run, *batch])
@@ -339,7 +349,7 @@ def main() -> None:
                     help="go on with a stopped run of the same commit (its snapshots kept); with "
                     "--resume-from REV, a stopped resumed run: REV's survivors are run again at its end")
     ap.add_argument("--resume-from", metavar="REV", help="start each group from REV's finished snapshot: only "
-                    "mutants of changed functions and REV's survivors are run again")
+                    "mutants of changed functions and REV's survivors and timeouts are run again")
     args = ap.parse_args()
     os.nice(args.nice)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.commit],
@@ -361,10 +371,11 @@ def main() -> None:
         print(f"  {group}: {len(r['outcomes'])} mutants in {r['wall_s']:.0f} s (mutmut rc {r['rc']})",
               flush=True)
     print()
-    report([done[g] for g in GROUPS if g in done], load_equivalent())
+    finished, equivalent = [done[g] for g in GROUPS if g in done], load_equivalent()
+    report(finished, equivalent)
     if args.by_module:
         print()
-        print_table(by_module([done[g] for g in GROUPS if g in done], load_equivalent()))
+        print_table(by_module(finished, equivalent))
     print(f"\nsurvivor diffs: {commit_dir}/<group>.survivors.txt; outcomes: {results_file}")
 
 

@@ -221,3 +221,11 @@ def test_by_module_splits_each_groups_outcomes_by_the_module_a_mutant_names():
     assert (rows["a.b"]["killed"], rows["a.b"]["survived"]) == (1, 1)
     assert (rows["a.c"]["equivalent"], rows["a.c"]["timeout"], rows["a.c"]["generated"]) == (1, 1, 2)
     assert mutation.kill_rate(rows["a.c"]) == "100.0%"
+
+
+def test_a_resumed_run_reruns_survivors_and_timeouts_that_kept_their_outcome_but_not_equivalents():
+    before = ["m.s1", "m.t1", "m.eq", "m.changed", "m.gone"]
+    now = {"m.s1": "survived", "m.t1": "timeout", "m.eq": "survived", "m.changed": "not checked",
+           "m.k": "killed"}
+    assert mutation.rerun_names(before, now, {"m.eq": "same ids"}) == ["m.s1", "m.t1"]
+    assert mutation.rerun_names(before, {**now, "m.changed": "killed"}, {}) == ["m.s1", "m.t1", "m.eq"]
