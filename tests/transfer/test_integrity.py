@@ -9,7 +9,7 @@ import torch
 
 from transfer.errors import InvalidKey, StorageConfigError, TransferError
 from transfer.storage.integrity import (
-    SEAL_NBYTES, PageFormat, Verdict, check_key, check_suffix, decode_seal, seal, verify,
+    SEAL_NBYTES, PageFormat, Verdict, check_key, check_suffix, decode_seal, raw_format, seal, verify,
 )
 
 KEY = "ab" * 32
@@ -105,3 +105,20 @@ def test_a_good_key_is_returned_and_a_bad_one_is_named_in_the_error():
     assert check_key(KEY) == KEY
     with pytest.raises(InvalidKey, match=r"64 lowercase hex characters.*'\.\./victim/x'"):
         check_key("../victim/x")
+
+
+def test_a_seal_of_another_version_or_another_magic_is_not_decoded_as_ours():
+    s = seal(NAME, BF16, os.urandom(4096))
+    assert decode_seal(s) is not None
+    newer = s[:4] + bytes([s[4] + 1]) + s[5:]  # our magic, a version this reader does not know
+    foreign = b"XXXX" + s[4:]  # our version byte after another magic
+    for head in (newer, foreign):
+        assert decode_seal(head) is None
+
+
+def test_raw_format_is_each_pages_own_format_however_often_and_in_whatever_order_it_is_asked():
+    pages = [torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(32, dtype=torch.uint8),
+             torch.zeros(4, 8, dtype=torch.float16), torch.zeros(8, 4, dtype=torch.bfloat16)]
+    for _ in range(2):  # the second round is answered from the cache
+        for page in pages:
+            assert raw_format(page) == PageFormat.raw(page)
