@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle_tools.testkit.process import popen_kwargs
 from lifecycle_tools.testkit.redis_server import free_port, stop_process
 
 HINT = ("Mooncake is not installed: pip install -e '.[mooncake]' "
@@ -127,7 +128,7 @@ class MooncakeMaster(_Process):
                "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}", "--rpc_thread_num=2",
                f"--client_ttl={self.client_ttl_s}"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
-                                     start_new_session=True)
+                                     **popen_kwargs())
         self._wait_port(self.port, "mooncake_master", timeout)
         return self
 
@@ -174,7 +175,7 @@ class SegmentHolder(_Process):
                f"--master_server_address={self.master.address}", "--metadata_server=P2PHANDSHAKE",
                f"--global_segment_size={self.segment}", "--protocol=tcp", "--local_buffer_size=0"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
-                                     start_new_session=True)
+                                     **popen_kwargs())
         self._wait_port(self.port, "mooncake_client", timeout)
         return self
 

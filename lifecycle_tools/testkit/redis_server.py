@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from lifecycle_tools.testkit.process import popen_kwargs
+
 BINARY_ENV = "REDIS_SERVER"  # optional path to the server binary (e.g. valkey-server)
 
 
@@ -95,7 +97,7 @@ class RedisServer:
             "--loglevel", "warning", "--logfile", "", "--databases", "4", *self.extra_args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     cwd=self.workdir, start_new_session=True)
+                                     cwd=self.workdir, **popen_kwargs())
         deadline = time.monotonic() + timeout
         while not _answers_ping(self.port):
             if self.proc.poll() is not None:
