@@ -38,3 +38,73 @@ def test_alloc_free_and_double_free():
     assert hp.available_size() == 16
     hp.check_integrity()
     assert hp.alloc(17) is None
+
+
+# -- pinning and unpinning against a stand-in CUDA runtime (no GPU needed) ---------------------
+import numpy as np  # noqa: E402
+from structlog.testing import capture_logs  # noqa: E402
+
+from transfer import PinningFailed  # noqa: E402
+from transfer import host_pool as host_pool_mod  # noqa: E402
+
+
+class FakeCudart:
+    def __init__(self, register_rc=0, unregister_rc=0):
+        self.register_rc, self.unregister_rc = register_rc, unregister_rc
+        self.unregistered = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        return self.register_rc
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return self.unregister_rc
+
+    def cudaGetErrorString(self, rc):
+        return f"error {rc}"
+
+
+def test_pin_without_cuda_raises_saying_why(monkeypatch):
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: None)
+    with pytest.raises(PinningFailed, match=r"\(CUDA is not available\); pass allow_pageable=True"):
+        HostPool(1, 1, 4, torch.float32, 4, 8, pin=True)
+
+
+def test_register_failure_names_bytes_rc_and_error(monkeypatch):
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: FakeCudart(register_rc=7))
+    with pytest.raises(PinningFailed, match=r"cudaHostRegister of 256 bytes failed \(rc=7, error 7\)"):
+        HostPool(1, 1, 4, torch.float32, 4, 8, pin=True)
+    with capture_logs() as logs:
+        hp = HostPool(1, 1, 4, torch.float32, 4, 8, pin=True, allow_pageable=True)
+    assert hp.pinned is False
+    assert logs == [{"event": "host_pool.pin_failed", "log_level": "warning",
+                     "error": "cudaHostRegister of 256 bytes failed (rc=7, error 7)",
+                     "bytes": 256, "fallback": "pageable"}]
+
+
+def test_pinned_when_cuda_is_available_and_close_unpins_once(monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: cudart)
+    hp = HostPool(1, 1, 4, torch.float32, 4, 8)  # pin=None: pinned iff CUDA is available
+    assert hp.pinned is True
+    hp.close()
+    hp.close()
+    assert hp.pinned is False and cudart.unregistered == [hp.buffer.data_ptr()]
+
+
+@pytest.mark.parametrize("rc", [0, 1, 3])
+def test_unregister_failure_is_logged(monkeypatch, rc):
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: FakeCudart(unregister_rc=rc))
+    with capture_logs() as logs:
+        host_pool_mod._unregister(torch.zeros(4))
+    want = [] if rc == 0 else [{"event": "host_pool.unregister_failed", "log_level": "warning",
+                                "rc": rc, "error": f"error {rc}"}]
+    assert logs == want
+
+
+def test_bad_host_indices_are_named_so():
+    hp = HostPool(1, 1, 4, torch.float32, 4, 16)
+    with pytest.raises(BadIndices, match=r"^host indices are not whole"):
+        hp.page_ids(torch.tensor([1, 2, 3, 4]))
+    assert np.array_equal(hp.page_ids(torch.arange(4, 12)), [1, 2])

@@ -84,3 +84,35 @@ def test_page_ids_of_nothing_and_strided_views():
         page_ids(strided, 4)
     view = torch.arange(0, 32).view(4, 8)[:, :4].reshape(-1)  # pages 0, 2, 4, 6 from a 2-D view
     assert page_ids(view, 4).tolist() == [0, 2, 4, 6]
+
+
+# -- slots_of_pages: the one-run shortcut only for ids that really are one ascending run --------
+@pytest.mark.parametrize("pages", [[1, 0], [0, 0, 2], [0, 3, 2], [0, 2, 1, 3]],
+                         ids=["descending", "repeat", "ends-span-n", "shuffled-run"])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_slots_of_pages_that_are_not_one_ascending_run(pages, as_tensor):
+    p = np.array(pages, dtype=np.int64)
+    want = [page * 2 + k for page in pages for k in range(2)]  # page by page, in the order given
+    got = slots_of_pages(torch.from_numpy(p) if as_tensor else p, 2)
+    assert got.dtype == torch.int64 and got.tolist() == want
+
+
+# -- error messages name the argument (``what``), "indices" by default --------------------------
+from transfer.indices import pages_of_slots  # noqa: E402
+
+
+def test_errors_name_the_argument_and_the_shape_of_the_problem():
+    with pytest.raises(BadIndices, match=r"^indices: 5 slots is not a whole number of pages of 2$"):
+        pages_of_slots(np.arange(5, dtype=np.int64), 2)
+    with pytest.raises(BadIndices, match=r"^indices are not whole"):
+        page_ids(torch.tensor([1, 2]), 2)
+    with pytest.raises(BadIndices, match=r"^indices are not whole"):
+        pages_of_aligned(torch.tensor([1, 2]), 2)
+    with pytest.raises(BadIndices, match=r"^chunk slots must be 1-D"):
+        page_ids(torch.zeros((2, 2), dtype=torch.int64), 2, "chunk slots")
+    with pytest.raises(BadIndices, match=r"^chunk slots must be 1-D"):
+        page_ids(torch.zeros((2, 2), dtype=torch.int64), 2, what="chunk slots", end=8)
+    with pytest.raises(BadIndices, match=r"^chunk slots are not whole"):
+        pages_of_aligned(torch.tensor([1, 2]), 2, "chunk slots")
+    with pytest.raises(BadIndices, match=r"^chunk slots must be 1-D"):
+        pages_of_aligned(torch.zeros((2, 2), dtype=torch.int64), 2, "chunk slots")

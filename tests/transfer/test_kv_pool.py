@@ -43,3 +43,16 @@ def test_bad_input():
         pool.write(torch.tensor([1]), torch.zeros(2, 1, 2, 1, 4))
     with pytest.raises(ValueError):
         KVPool(1, 2, 4, torch.float32, 8, mla=True)
+
+
+def test_buffer_lives_on_the_device_asked_for():
+    pool = KVPool(2, 1, 4, torch.float16, 8, device="meta")  # any non-CPU device; "meta" holds no memory
+    assert pool.buffer.device.type == "meta" and pool.device.type == "meta"
+
+
+def test_write_and_read_move_host_slots_and_values_to_the_pool_device():
+    pool = KVPool(2, 1, 4, torch.float16, 8, device="meta")
+    slots = torch.tensor([1, 2, 5])
+    pool.write(slots, torch.zeros(2, 2, 3, 1, 4, dtype=torch.float16))  # host slots and values
+    got = pool.read(slots)
+    assert got.device.type == "meta" and got.shape == (2, 2, 3, 1, 4)

@@ -94,3 +94,57 @@ def test_holds_run_of_more_pages_than_its_byte_compare_covers():
     assert ps.holds_run(0, 4999) is True                 # 5000 pages: the NumPy comparison
     ps.free(np.array([4321]))
     assert ps.holds_run(0, 4999) is False and ps.holds_run(0, 4320) is True
+
+
+def test_holds_run_past_the_last_page_is_false_however_long():
+    ps = PageSet(5000)
+    ps.alloc(5000)
+    assert ps.holds_run(0, 4999) is True
+    assert ps.holds_run(0, 5000) is False and ps.holds_run(4999, 5000) is False  # 5000 is out of range
+
+
+def test_released_pages_are_merged_back_only_when_the_free_run_is_short():
+    ps = PageSet(4)
+    assert ps.alloc(2).tolist() == [0, 1]
+    ps.free(np.array([0]))
+    assert ps.alloc(2).tolist() == [2, 3]  # exactly what is left of the free run: no merge
+    assert ps.alloc(1).tolist() == [0]
+    ps.check_integrity()
+
+
+def test_frees_of_any_integer_dtype_keep_handed_out_ids_int64():
+    ps = PageSet(4)
+    ps.alloc(4)
+    ps.check_free([2, 3])                          # a plain list is fine
+    assert ps.free(np.array([3, 1], dtype=np.uint64)) == 2
+    assert ps.free(np.array([2, 0], dtype=np.uint64)) == 2
+    got = ps.alloc(4)
+    assert got.dtype == np.int64 and got.tolist() == [0, 1, 2, 3]
+    ps.check_integrity()
+
+
+def test_not_allocated_names_at_most_eight_pages():
+    ps = PageSet(20, first=10)
+    with pytest.raises(NotAllocated, match=r"^pages \[0, 1, 2, 3, 4, 5, 6, 7\] were never allocated$"):
+        ps.free(np.arange(10))
+    with pytest.raises(NotAllocated, match=r"^pages \[0\] were never allocated$"):
+        ps.check_free(np.array([0]))
+
+
+def test_check_integrity_names_each_inconsistency():
+    from transfer.errors import IntegrityError
+    from transfer.page_set import _HELD, _RELEASED
+
+    ps = PageSet(4)
+    ps.alloc(2)
+    ps._state[0] = _RELEASED                       # held 1 + free 2 != total 4
+    with pytest.raises(IntegrityError, match=r"^held 1 \+ free 2 != total 4$"):
+        ps.check_integrity()
+    ps = PageSet(4)
+    ps._state[3] = _HELD                           # page 3 is on the free list and held
+    with pytest.raises(IntegrityError, match=r"^a page is both free and held$"):
+        ps.check_integrity()
+    ps = PageSet(4)
+    ps._free = np.array([0, 1, 2, 2], dtype=np.int64)
+    with pytest.raises(IntegrityError, match=r"^a page is on the free list twice$"):
+        ps.check_integrity()

@@ -64,3 +64,8 @@ def test_check_free_of_a_row_already_free_raises_double_free_and_changes_nothing
     pool.check_free(stale)
     pool.free(stale)
     assert pool.available_size() == 2
+
+
+def test_table_lives_on_the_device_asked_for():
+    pool = ReqToTokenPool(2, 8, device="meta")  # any non-CPU device; "meta" holds no memory
+    assert pool.req_to_token.device.type == "meta" and pool.req_to_token.shape == (2, 8)
