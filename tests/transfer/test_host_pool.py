@@ -1,7 +1,10 @@
+import numpy as np
 import pytest
 import torch
+from structlog.testing import capture_logs
 
-from transfer import BadIndices, DoubleFree, HostPool, NotAllocated
+from transfer import BadIndices, DoubleFree, HostPool, NotAllocated, PinningFailed
+from transfer import host_pool as host_pool_mod
 
 
 def test_page_first_layout_and_contiguous_page():
@@ -41,12 +44,6 @@ def test_alloc_free_and_double_free():
 
 
 # -- pinning and unpinning against a stand-in CUDA runtime (no GPU needed) ---------------------
-import numpy as np  # noqa: E402
-from structlog.testing import capture_logs  # noqa: E402
-
-from transfer import PinningFailed  # noqa: E402
-from transfer import host_pool as host_pool_mod  # noqa: E402
-
 
 class FakeCudart:
     def __init__(self, register_rc=0, unregister_rc=0):
