@@ -199,12 +199,12 @@ def listing(snapshot: Path) -> dict[str, str]:
 def run_group(commit_dir: Path, commit: str, group: str, max_children: int, previous: Path | None = None,
               resume: bool = False, survivors_only: bool = False) -> dict:
     snapshot = commit_dir / group
-    survived_before = []
+    rerun_before = []
     continuing = resume and (snapshot / "mutants").is_dir()
     from_rev = previous is not None and (previous / group).is_dir()
     resumed = not continuing and from_rev
     if from_rev:
-        survived_before = [m for m, s in listing(previous / group).items() if s in RERUN]
+        rerun_before = [m for m, s in listing(previous / group).items() if s in RERUN]
     if continuing:
         pass  # --continue: the stopped run's snapshot; mutmut runs what has no outcome yet (with
         # --resume-from REV too: a stopped resumed run goes on, then REV's survivors run again)
@@ -231,10 +231,10 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
         log.unlink(missing_ok=True)
     start = time.monotonic()
     run = ["run", "--max-children", str(max_children)]
-    rc = 0 if survivors_only and survived_before else _mutmut(snapshot, env, log, run)
+    rc = 0 if survivors_only and rerun_before else _mutmut(snapshot, env, log, run)
 
     outcomes = listing(snapshot)
-    again = rerun_names(survived_before, outcomes, load_equivalent())
+    again = rerun_names(rerun_before, outcomes, load_equivalent())
     for i in range(0, len(again), 200):
         batch = again[i:i + 200]
         got = _mutmut(snapshot, env, log, [*run, *batch])
@@ -250,7 +250,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     subprocess.run([sys.executable, "-c", _SHOW_ALL, str(commit_dir / f"{group}.survivors.txt"), *survivors],
                    cwd=snapshot, env=env, check=False)
     return {"group": group, "rc": rc, "wall_s": round(wall, 1), "modules": modules, "tests": tests,
-            "outcomes": outcomes, "resumed_from": previous.name if survived_before else None,
+            "outcomes": outcomes, "resumed_from": previous.name if rerun_before else None,
             "rerun_survivors": len(again)}
 
 

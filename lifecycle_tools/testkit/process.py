@@ -32,7 +32,7 @@ def _libc():
 _LIBC = _libc() if sys.platform.startswith("linux") else None
 
 
-def die_with_parent(parent: int | None = None) -> None:
+def die_with_parent(parent: int) -> None:
     """``preexec_fn`` for ``subprocess.Popen``: the child gets SIGKILL when its parent dies.
 
     Args:
@@ -42,7 +42,7 @@ def die_with_parent(parent: int | None = None) -> None:
     if _LIBC is None:
         return
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if parent is not None and os.getppid() != parent:
+    if os.getppid() != parent:
         os._exit(1)
 
 

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from transfer.indices import page_ids, slots_of_pages  # noqa: E402
+from transfer.indices import page_ids, pages_of_slots, slots_of_pages  # noqa: E402
 
 
 def slots_for(pages, ps):
@@ -98,9 +98,6 @@ def test_slots_of_pages_that_are_not_one_ascending_run(pages, as_tensor):
 
 
 # -- error messages name the argument (``what``), "indices" by default --------------------------
-from transfer.indices import pages_of_slots  # noqa: E402
-
-
 def test_errors_name_the_argument_and_the_shape_of_the_problem():
     with pytest.raises(BadIndices, match=r"^indices: 5 slots is not a whole number of pages of 2$"):
         pages_of_slots(np.arange(5, dtype=np.int64), 2)

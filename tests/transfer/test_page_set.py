@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.errors import BadIndices, DoubleFree, NotAllocated
-from transfer.page_set import PageSet
+from transfer.errors import BadIndices, DoubleFree, IntegrityError, NotAllocated
+from transfer.page_set import _HELD, _RELEASED, PageSet
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("alloc"), st.integers(0, 6)),
@@ -132,9 +132,6 @@ def test_not_allocated_names_at_most_eight_pages():
 
 
 def test_check_integrity_names_each_inconsistency():
-    from transfer.errors import IntegrityError
-    from transfer.page_set import _HELD, _RELEASED
-
     ps = PageSet(4)
     ps.alloc(2)
     ps._state[0] = _RELEASED                       # held 1 + free 2 != total 4

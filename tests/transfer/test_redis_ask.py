@@ -40,9 +40,9 @@ def served_slots(node) -> set[int]:
     return {slot for r in ranges for slot in range(int(r[0]), int(r[-1]) + 1)}
 
 
-def keys_of_node(cluster, index: int, n: int) -> list[str]:
-    """``n`` fresh page hashes whose names fall in slots primary ``index`` serves now."""
-    slots = served_slots(cluster.nodes[index])
+def keys_of_node(node, n: int) -> list[str]:
+    """``n`` fresh page hashes whose names fall in slots ``node`` serves now."""
+    slots = served_slots(node)
     out = []
     while len(out) < n:
         h = hashlib.sha256(f"ask-{time.time_ns()}-{next(_n)}".encode()).hexdigest()
@@ -91,7 +91,8 @@ class Migration:
 
 def test_pages_are_written_and_read_through_ask_while_slots_migrate(redis_cluster):
     src, dst = redis_cluster.nodes[0], redis_cluster.nodes[1]
-    old, new = keys_of_node(redis_cluster, 0, 6), keys_of_node(redis_cluster, 0, 6)
+    keys = keys_of_node(src, 12)
+    old, new = keys[:6], keys[6:]
     s = open_storage(redis_cluster.url, SUFFIX, NB, page_format=FMT)
     migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in old + new})
     try:
@@ -125,7 +126,7 @@ def test_writers_and_readers_never_miss_while_keys_migrate_one_by_one(redis_clus
     """Writes and reads run on a thread while the main thread migrates the slots' keys one by one
     and then ends the migration: every write is stored and every page written is read back."""
     src, dst = redis_cluster.nodes[2], redis_cluster.nodes[0]
-    keys = keys_of_node(redis_cluster, 2, 24)
+    keys = keys_of_node(src, 24)
     first, later = keys[:8], keys[8:]
     s = open_storage(redis_cluster.url, SUFFIX, NB, page_format=FMT)
     migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in keys})
@@ -170,7 +171,7 @@ def test_writers_and_readers_never_miss_while_keys_migrate_one_by_one(redis_clus
 
 def test_reads_through_ask_refresh_the_ttl_miss_absent_keys_and_leave_the_slot_map_alone(redis_cluster):
     src, dst = redis_cluster.nodes[0], redis_cluster.nodes[1]
-    keys = keys_of_node(redis_cluster, 0, 4)
+    keys = keys_of_node(src, 4)
     s = open_storage(redis_cluster.url + "?ttl_s=600", SUFFIX, NB, page_format=FMT)
     migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in keys})
     refreshes = []
@@ -201,7 +202,7 @@ def test_moved_is_followed_to_the_node_it_names_even_when_a_map_refresh_would_be
     ``CLUSTER SLOTS`` from such a node does). The source answers ``MOVED dst``; the command must go
     to ``dst`` — resent once — and find every page, store every new one."""
     src, dst = redis_cluster.nodes[1], redis_cluster.nodes[2]
-    keys = keys_of_node(redis_cluster, 1, 8)
+    keys = keys_of_node(src, 8)
     old, new = keys[:4], keys[4:]
     s = open_storage(redis_cluster.url, SUFFIX, NB, page_format=FMT)
     migration = Migration(redis_cluster, src, dst, {slot_of(h) for h in keys})
