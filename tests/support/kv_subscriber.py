@@ -44,7 +44,7 @@ class Subscriber:
 
     def _receive_one(self) -> None:
         topic, seq, payload = self.sub.recv_multipart()
-        assert topic == self.topic
+        assert topic == self.topic and len(seq) == 8
         if seq == END:
             assert payload == b""
             self.ended = True
@@ -72,8 +72,9 @@ class Subscriber:
                 if not dealer.poll(int(timeout_s * 1000)):
                     raise TimeoutError("replay did not end")
                 empty, seq, payload = dealer.recv_multipart()
-                assert empty == b""
+                assert empty == b"" and len(seq) == 8
                 if seq == END:
+                    assert payload == b""
                     return n
                 self.batches[int.from_bytes(seq, "big")] = msgspec.msgpack.decode(payload)
                 n += 1

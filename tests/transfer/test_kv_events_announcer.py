@@ -174,3 +174,10 @@ def test_a_chunk_links_to_the_page_before_it_and_a_namespace_seed_is_no_parent()
     finally:
         mgr.shutdown()
         stack.close()
+
+
+def test_a_store_of_an_unknown_kind_is_announced_as_external():
+    class SomeOtherTier:
+        pass
+
+    assert medium_of(SomeOtherTier()) == EXTERNAL

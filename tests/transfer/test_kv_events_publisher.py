@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import socket
+import sys
 import threading
 import time
 
 import pytest
+import structlog
+import zmq
 
 from tests.support.kv_subscriber import Subscriber, events, int64_id, pages_held
 from transfer.kv_events import CPU_PINNED, DISK, KVEventPublisher, KVEventsError, check_endpoint
@@ -86,6 +90,7 @@ def test_replay_from_the_middle_returns_only_later_batches():
             pub.stored(DISK, [_h(i)], [], 4)
             _wait(lambda i=i: pub.stats().batches == i + 1)   # one batch per event
         assert sub.fill_from_replay(1) == 2 and sorted(sub.batches) == [1, 2]
+        assert pub.replay_endpoint == rep_ep and pub.stats().events == 3
         sub.close()
     finally:
         pub.close()
@@ -94,7 +99,7 @@ def test_replay_from_the_middle_returns_only_later_batches():
 @pytest.mark.parametrize("endpoint", ["", "tcp://127.0.0.1", "tcp://127.0.0.1:70000", "http://x:1",
                                       "tcp://a b:5", "127.0.0.1:5557", None, 5557])
 def test_a_malformed_endpoint_is_a_typed_error(endpoint):
-    with pytest.raises(KVEventsError):
+    with pytest.raises(KVEventsError, match=r"expected tcp://HOST:PORT \(port 0-65535\), ipc://PATH or inproc://NAME"):
         check_endpoint(endpoint)
     with pytest.raises(KVEventsError):
         KVEventPublisher(endpoint)
@@ -116,7 +121,7 @@ def test_an_endpoint_in_use_is_a_typed_error_and_leaves_nothing_bound():
 def test_an_unknown_medium_is_refused_before_anything_is_queued():
     pub = KVEventPublisher("tcp://127.0.0.1:0", end_marker=False)
     try:
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="medium 'SSD' is not one of"):
             pub.stored("SSD", [_h(1)], [], 4)
         assert pub.stats().queued == 0
     finally:
@@ -159,3 +164,137 @@ def test_a_subscriber_that_saw_only_the_end_replays_everything_while_the_publish
 def test_a_negative_linger_is_refused():
     with pytest.raises(KVEventsError, match="replay_linger_s"):
         KVEventPublisher("tcp://127.0.0.1:0", replay_linger_s=-1)
+
+
+def test_the_port_range_ends_at_65535():
+    assert check_endpoint("tcp://127.0.0.1:65535") == "tcp://127.0.0.1:65535"
+    with pytest.raises(KVEventsError, match="65536"):
+        check_endpoint("tcp://127.0.0.1:65536")
+
+
+@pytest.mark.parametrize("interval", [0, -0.5, math.nan])
+def test_a_flush_interval_that_is_not_positive_is_refused(interval):
+    with pytest.raises(KVEventsError, match=f"flush_interval_s must be > 0, got {interval!r}"):
+        KVEventPublisher("tcp://127.0.0.1:0", flush_interval_s=interval)
+
+
+def test_without_pyzmq_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "zmq", None)   # ``import zmq`` raises ImportError
+    with pytest.raises(KVEventsError, match=r"pip install 'kv-lifecycle\[events\]'"):
+        KVEventPublisher("tcp://127.0.0.1:0")
+
+
+def test_the_publisher_runs_on_one_daemon_thread_named_kv_events():
+    before = set(threading.enumerate())
+    pub = KVEventPublisher("tcp://127.0.0.1:0", end_marker=False)
+    try:
+        started = [t for t in threading.enumerate() if t not in before]
+        assert [(t.name, t.daemon) for t in started] == [("kv-events", True)]   # never blocks the exit
+        assert pub.replay_endpoint is None
+    finally:
+        pub.close()
+
+
+def test_replay_keeps_the_last_buffer_steps_batches_stamped_with_the_rank():
+    rep_ep = f"tcp://127.0.0.1:{_free_port()}"
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint=rep_ep, flush_interval_s=0.01,
+                           end_marker=False, buffer_steps=2, attn_dp_rank=3)
+    try:
+        for i in range(4):
+            pub.stored(DISK, [_h(i)], [], 4)
+            _wait(lambda i=i: pub.stats().batches == i + 1)
+        sub = Subscriber(pub.endpoint, rep_ep)
+        assert sub.fill_from_replay(0) == 2 and sorted(sub.batches) == [2, 3]   # 0 and 1 were dropped
+        assert {b[2] for b in sub.batches.values()} == {3}
+        assert [e[1] for e in events(sub.batches)] == [[int64_id(_h(2))], [int64_id(_h(3))]]
+        assert pub.stats().events == 4
+        sub.close()
+    finally:
+        pub.close()
+
+
+def test_a_bad_replay_request_is_logged_and_unanswered_and_the_next_one_is_served():
+    rep_ep = f"tcp://127.0.0.1:{_free_port()}"
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint=rep_ep, flush_interval_s=0.01,
+                           end_marker=False)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(rep_ep)
+    try:
+        pub.stored(DISK, [_h(0)], [], 4)
+        _wait(lambda: pub.stats().batches == 1)
+        with structlog.testing.capture_logs() as logs:
+            dealer.send_multipart((b"", b"abc"))               # a start that is not 8 bytes
+            dealer.send_multipart((b"x",))                     # too few frames
+            dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+            replies = []
+            while not replies or replies[-1][1] != (-1).to_bytes(8, "big", signed=True):
+                assert dealer.poll(30_000), "no replay answer"
+                replies.append(dealer.recv_multipart())
+        assert [r[1] for r in replies] == [(0).to_bytes(8, "big"), (-1).to_bytes(8, "big", signed=True)]
+        bad = [(e["event"], e["log_level"], e["frames"]) for e in logs if "frames" in e]
+        assert bad == [("kv_events.bad_replay_request", "warning", 3),
+                       ("kv_events.bad_replay_request", "warning", 2)]
+    finally:
+        dealer.close()
+        pub.close()
+
+
+class _Boom(zmq.ZMQError):
+    pass
+
+
+def test_a_socket_error_stops_the_publisher_thread_with_one_logged_error():
+    pub = KVEventPublisher("tcp://127.0.0.1:0", end_marker=False, flush_interval_s=0.01)
+    sock = pub._pub
+
+    def fail(*_args, **_kw):
+        raise _Boom(errno=zmq.ETERM, msg="socket gone")
+
+    sock.send_multipart = fail
+    try:
+        with structlog.testing.capture_logs() as logs:
+            pub.cleared()
+            pub._thread.join(30)
+        assert not pub._thread.is_alive()       # the scheduler is not touched; the thread ends
+        failed = [e for e in logs if e["log_level"] == "error"]
+        assert [(e["event"], "socket gone" in e["error"]) for e in failed] == [("kv_events.publisher_failed", True)]
+    finally:
+        del sock.send_multipart
+        pub.close()
+
+
+def test_close_waits_at_most_its_timeout_for_a_blocked_publisher_thread():
+    pub = KVEventPublisher("tcp://127.0.0.1:0", end_marker=False, flush_interval_s=0.01)
+    sock, gate, entered = pub._pub, threading.Event(), threading.Event()
+
+    def blocked(*_args, **_kw):
+        entered.set()
+        gate.wait(60)
+
+    sock.send_multipart = blocked
+    try:
+        pub.cleared()
+        assert entered.wait(30)
+        closer = threading.Thread(target=pub.close, kwargs={"timeout": 0.2})
+        closer.start()
+        closer.join(20)
+        assert not closer.is_alive() and pub._thread.is_alive()   # returned; the thread is still stuck
+    finally:
+        gate.set()
+        pub._thread.join(30)
+        del sock.send_multipart
+
+
+def test_without_a_replay_socket_close_does_not_linger():
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_linger_s=60.0)   # the linger serves replays only
+    closer = threading.Thread(target=pub.close, kwargs={"timeout": 0.8})
+    closer.start()
+    closer.join(20)
+    assert not closer.is_alive() and not pub._thread.is_alive()
+
+
+def test_without_a_replay_socket_the_thread_ends_right_after_the_end_marker():
+    pub = KVEventPublisher("tcp://127.0.0.1:0")          # no replay socket, no linger
+    pub.close(timeout=0.5)
+    assert not pub._thread.is_alive()                    # nothing to answer: it does not wait

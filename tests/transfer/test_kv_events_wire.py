@@ -68,7 +68,7 @@ def test_page_ids_are_sglangs_hash_str_to_int64():
     assert ours == [int64_id(h) for h in hashes]
     assert min(ours) < 0 < max(ours)   # both halves of the signed range occur
     assert wire.hash_str_to_int64("f" * 64) == -1 and wire.hash_str_to_int64("8" + "0" * 63) == -(2**63)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least 16 hex digits, got 'abc'"):
         wire.hash_str_to_int64("abc")
 
 
