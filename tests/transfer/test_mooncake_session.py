@@ -142,3 +142,136 @@ def test_a_session_closed_while_its_master_is_gone_parks_the_client_for_good(fak
     del s, fake_mooncake.client
     gc.collect()
     assert client() is not None  # still referenced: never destroyed
+
+
+def _until(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
+def _held_connect(monkeypatch, client, gate: threading.Event, seen: list) -> None:
+    """``conn.connect`` records the thread it runs on and returns ``client`` once ``gate`` is set."""
+    def connect(settings):
+        t = threading.current_thread()
+        seen.append((t.name, t.daemon))
+        gate.wait(10)
+        return client
+    monkeypatch.setattr(conn, "connect", connect)
+
+
+def test_a_lazy_session_connects_on_a_daemon_thread_named_kv_mooncake_connect(fake_mooncake, monkeypatch):
+    gate, seen = threading.Event(), []
+    _held_connect(monkeypatch, fake_mooncake.client, gate, seen)
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1", lazy=True))
+    try:
+        assert _until(lambda: seen)
+        assert seen == [("kv-mooncake-connect", True)] and not s.connected   # never holds up the exit
+    finally:
+        s.close(wait=True)
+        gate.set()
+
+
+@pytest.mark.parametrize("segment, at_open", [("10.0.0.5:17001", ["10.0.0.5:17001"]), ("", []), ("local", [])])
+def test_a_named_preferred_segment_is_set_at_open_and_local_waits_for_the_connection(
+        fake_mooncake, monkeypatch, segment, at_open):
+    gate = threading.Event()
+    _held_connect(monkeypatch, fake_mooncake.client, gate, [])
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1", lazy=True, preferred_segment=segment))
+    try:
+        assert list(s._put_config.preferred_segments) == at_open   # not connected yet
+    finally:
+        s.close(wait=True)
+        gate.set()
+
+
+@pytest.mark.parametrize("segment, size, placed", [("local", 1, ["127.0.0.1:17001"]), ("local", 0, []),
+                                                   ("", 1 << 20, [])])
+def test_local_places_objects_on_this_clients_segment_only_when_it_contributes_one(
+        fake_mooncake, segment, size, placed):
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1", preferred_segment=segment,
+                                            global_segment_size=size))   # not lazy: connected now
+    try:
+        assert s.connected and list(s._put_config.preferred_segments) == placed
+    finally:
+        s.close(wait=True)
+
+
+def test_connecting_is_logged_once_with_the_master_and_this_clients_segment(fake_mooncake):
+    with capture_logs() as logs:
+        s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1"))
+    s.close(wait=True)
+    got = [{k: e.get(k) for k in ("event", "log_level", "master", "hostname")}
+           for e in logs if e.get("master") is not None or e.get("hostname") is not None]
+    assert got == [{"event": "mooncake.connected", "log_level": "info", "master": "127.0.0.1:1",
+                    "hostname": "127.0.0.1:17001"}]
+
+
+def test_a_connection_made_after_close_is_closed_at_once_and_never_used(fake_mooncake, monkeypatch):
+    gate, seen = threading.Event(), []
+    _held_connect(monkeypatch, fake_mooncake.client, gate, seen)
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1", lazy=True))
+    assert _until(lambda: seen)
+    s.close(wait=True)          # while the connection is being made
+    gate.set()                  # it completes now
+    assert _until(lambda: fake_mooncake.client.closed)
+    assert not s.connected
+
+
+def test_close_flushes_the_rate_limited_log_summary_once(fake_mooncake):
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1"))
+    flushed = []
+    s._oplog = types.SimpleNamespace(flush=lambda: flushed.append(1))   # what MooncakeStorage sets
+    s.close(wait=True)
+    s.close(wait=True)
+    assert flushed == [1]
+
+
+def test_existence_checks_run_one_at_a_time_and_close_waits_for_the_running_one_on_a_non_daemon_thread(
+        fake_mooncake, monkeypatch):
+    probes = []
+    monkeypatch.setattr(conn, "probe", lambda host, port, timeout_s: probes.append((host, port, timeout_s)))
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1", connect_timeout_s=0.25))
+    gate, started, ran = threading.Event(), threading.Event(), []
+
+    def stuck_check():
+        ran.append(threading.current_thread().name)
+        started.set()
+        gate.wait(30)
+
+    try:
+        s._exists_pool.submit(stuck_check)
+        queued = s._exists_pool.submit(ran.append, "queued")
+        assert started.wait(5)
+        time.sleep(0.1)
+        assert len(ran) == 1 and ran[0].startswith("kv-mooncake-exists")   # one worker: the next waits
+        before = set(threading.enumerate())
+        closer = threading.Thread(target=s.close, daemon=True)    # close() called from a daemon thread
+        closer.start()
+        closer.join(5)
+        assert not closer.is_alive()                              # returns at once ...
+        finishing = [t for t in threading.enumerate() if t not in before and t.name == "kv-mooncake-close"]
+        assert [t.daemon for t in finishing] == [False]           # ... the close runs on a non-daemon thread
+        time.sleep(0.2)
+        assert not fake_mooncake.client.closed                    # not while a check still uses the client
+    finally:
+        gate.set()
+    finishing[0].join(10)
+    assert fake_mooncake.client.closed and queued.cancelled() and ran == ran[:1]   # the queued check dropped
+    assert probes == [("127.0.0.1", 1, 0.25)]                     # the master probed with its own bound
+
+
+def test_close_waits_a_bounded_60_s_for_calls_in_flight_then_closes_anyway(fake_mooncake, monkeypatch):
+    waits = []
+
+    class NoWaitCondition(threading.Condition):
+        def wait_for(self, predicate, timeout=None):
+            waits.append(timeout)          # the bound asked for; the test does not sit through it
+            return super().wait_for(predicate, timeout=0)
+
+    monkeypatch.setattr(mooncake_session.threading, "Condition", NoWaitCondition)
+    s = ClientSession(conn.MooncakeSettings(master="127.0.0.1:1"))
+    s._inflight = 1                        # a read that never returns
+    s.close(wait=True)
+    assert waits == [60] and fake_mooncake.client.closed
