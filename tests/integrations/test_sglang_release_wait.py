@@ -32,6 +32,8 @@ def test_a_copy_landing_after_the_release_wait_expired_stores_nothing_and_is_cou
     row = req.kv.req_pool_idx
     slots = node.pool.req_to_token[row, 4:8].long().clone()
     assert mgr.offload_kv_cache(req)
+    acks, state = mgr.manager.copies_of(req), mgr.manager.state_of(req)
+    assert len(acks) == 1
     with structlog.testing.capture_logs() as logs:
         _release_hook(release_kv_cache)(req, node.tree, is_insert=False)  # wait expires, SGLang frees
     assert req.kv.req_pool_idx is None
@@ -45,8 +47,11 @@ def test_a_copy_landing_after_the_release_wait_expired_stores_nothing_and_is_cou
     assert mgr.offloader.stats().pages_stored == 0
     assert mgr.stats().copies_expired == 1 and mgr.stats().released == 1  # stopped waiting, ended as SGLang freed
     assert mgr.decode_host_mem_pool.available_size() == mgr.decode_host_mem_pool.size  # pages back
-    expired = [e for e in logs if e["event"] == "sglang.release_under_copy"]
-    assert len(expired) == 1 and expired[0]["copies_discarded"] == 1
+    expired = [e for e in logs if e["event"] == "sglang.release_under_copy"]   # one line, complete
+    assert expired == [{"event": "sglang.release_under_copy", "log_level": "error", "rid": "late",
+                        "state": state.name, "waited_s": 0.05, "copies_discarded": 1, "ack_ids": acks}]
+    assert [e for e in logs if e["event"] == "sglang.released_by_sglang"] == [
+        {"event": "sglang.released_by_sglang", "log_level": "debug", "rid": "late"}]
     mgr.release_host_resources()
 
 
@@ -156,4 +161,64 @@ def test_on_cuda_a_copy_stuck_on_the_copy_stream_past_the_wait_stores_nothing(st
     assert node.alloc.available_size() == full
     assert mgr.offloader.stats().copies_discarded == 1 and mgr.offloader.stats().pages_stored == 0
     assert not os.path.isdir(store_dir) or os.listdir(store_dir) == []
+    mgr.release_host_resources()
+
+
+def test_sglangs_release_answers_and_a_released_request_is_readmitted_only_with_a_row(store_dir):  # noqa: F811
+    """``before_sglang_release`` returns True ("SGLang frees") for a request with no lifecycle, one
+    already released, and after shutdown; a request SGLang released is neither offloaded nor
+    finalized until it holds a row again, and the first call with a row starts its new lifecycle."""
+    node = Node(doubles_kit(), page_size=4)
+    mgr = build(node)
+    stranger = node.admit("s", list(range(6)), 24)               # never offloaded: no lifecycle
+    assert mgr.before_sglang_release(stranger) is True and mgr.manager.state_of(stranger) is None
+    req = node.admit("r", list(range(10)), 24)
+    for _ in range(6):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(2000 + req.kv.kv_committed_len)
+    assert mgr.offload_kv_cache(req)
+    with structlog.testing.capture_logs() as logs:
+        _release_hook(release_kv_cache)(req, node.tree, is_insert=False)   # retraction: copy waited for
+    req.reset_for_retract()
+    assert [e for e in logs if e["event"] == "sglang.released_by_sglang"] == [
+        {"event": "sglang.released_by_sglang", "log_level": "debug", "rid": "r"}]
+    released = mgr.stats()
+    assert released.released == 1 and mgr.before_sglang_release(req) is True   # nothing left to wait for
+    for row in (None, -1):                                        # not resumed yet: no row
+        req.kv.req_pool_idx = row
+        assert mgr.offload_kv_cache(req) is False
+        mgr.finalize_release_on_finish(req)
+        assert mgr.stats() == released
+    req.kv.req_pool_idx = None
+    node.pool.alloc([req])                                        # resume_retracted_reqs: a new row
+    node._grow(req, len(req.origin_input_ids) + len(req.output_ids) - 1)
+    assert mgr.offload_kv_cache(req) is True                      # readmitted, and offloaded at once
+    assert mgr.stats().tracked == 1
+    node.drain(mgr)
+    mgr.release_host_resources()
+    assert mgr.before_sglang_release(req) is True                 # after shutdown: SGLang frees
+
+
+def test_with_tensor_parallelism_sglangs_release_waits_past_the_tp1_bound_for_the_copy(store_dir):  # noqa: F811
+    """TP > 1: every rank must free the same slots at the same step, so the wait has no deadline
+    (the TP=1 bound would let ranks diverge); the copy lands and the lifecycle ends as usual."""
+    node = Node(doubles_kit())
+    mgr = build(node)
+    mgr.tp_world_size = 2
+    mgr.SGLANG_RELEASE_WAIT_S = 0.05
+    gate = _hanging(mgr)
+    req = node.admit("tp", list(range(4)), 30)
+    for _ in range(4):
+        node._grow(req, req.kv.kv_committed_len + 1)
+        req.output_ids.append(9)
+    assert mgr.offload_kv_cache(req)
+    timer = threading.Timer(0.5, gate.set)    # the copy lands ten bounds later
+    timer.start()
+    with structlog.testing.capture_logs() as logs:
+        _release_hook(release_kv_cache)(req, node.tree, is_insert=False)
+    timer.join()
+    assert [e for e in logs if e["event"] == "sglang.release_under_copy"] == []
+    assert mgr.stats().copies_expired == 0 and mgr.stats().released == 1
+    assert mgr.offloader.stats().copies_discarded == 0
+    node.drain(mgr)
     mgr.release_host_resources()
