@@ -85,6 +85,13 @@ class Node:
         req.output_ids.append(1000 + len(prompt))
         return req
 
+    def decode_tokens(self, req, n: int, token: int = 9) -> None:
+        """``n`` decode steps of ``req`` without SGLang's offload calls: each a slot and its KV for
+        the next position, then ``token`` sampled."""
+        for _ in range(n):
+            self._grow(req, req.kv.kv_committed_len + 1)
+            req.output_ids.append(token)
+
     def _grow(self, req, n_tokens: int) -> None:
         """Slots for positions up to ``n_tokens`` as SGLang's paged allocator hands them out (a
         new page at each page boundary, else the next slot of the last page; ``kv_allocated_len``

@@ -138,9 +138,7 @@ def test_ongoing_offload_counts_copies_until_settled(store_dir):
     node = Node(doubles_kit(), page_size=4)
     mgr = build(node)
     req = node.admit("o", list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(5)
+    node.decode_tokens(req, 4, 5)
     assert len(mgr.ongoing_offload) == 0 and not mgr.ongoing_offload
     assert mgr.offload_kv_cache(req) is True
     assert len(mgr.ongoing_offload) == 1  # SGLang's scheduler is not idle until it is settled
@@ -314,9 +312,7 @@ def test_with_tp_1_a_release_waits_at_most_the_bound_then_sglang_frees(store_dir
     mgr = build(node)
     mgr.SGLANG_RELEASE_WAIT_S = 0.05
     req = node.admit("stuck", list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(9)
+    node.decode_tokens(req, 4)
     poll = mgr.offloader.engine.poll
     mgr.offloader.engine.poll = lambda: []  # the copy never reports: a stuck copy
     assert mgr.offload_kv_cache(req)
@@ -420,9 +416,7 @@ def test_sglang_releasing_a_finished_request_with_a_copy_in_flight_frees_it_once
     called = []
     hook = _release_hook(lambda req, tree, is_insert=True: called.append(req))
     req = node.admit("f", list(range(4)), 5)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(3)
+    node.decode_tokens(req, 4, 3)
     req.finished_reason = "length"
     assert mgr.offload_kv_cache(req)  # the last chunk: released when it lands
     assert hook(req, node.tree) is None
@@ -480,9 +474,7 @@ def test_sglangs_console_at_info_gets_no_line_per_request(store_dir, stdlib_logg
 
 def _a_finished_request_with_a_copy_accepted(node, mgr, rid="late"):
     req = node.admit(rid, list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(7)
+    node.decode_tokens(req, 4, 7)
     assert mgr.offload_kv_cache(req)  # accepted: one page, prompt boundary 4 .. 8
     req.finished_reason = "abort"
     mgr.finalize_release_on_finish(req)  # released when the copy lands

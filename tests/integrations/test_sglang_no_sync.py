@@ -143,9 +143,7 @@ def test_bad_device_slot_ids_fail_their_copy_and_store_nothing(store_dir):  # no
     node = device_resident_node()
     mgr = build(node)
     req = node.admit("bad", list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(9)
+    node.decode_tokens(req, 4)
     row = req.kv.req_pool_idx
     node.pool.req_to_token[row, 5] = node.pool.req_to_token[row, 4]  # a corrupted row: slot repeated
     with no_host_sync():

@@ -17,18 +17,21 @@ from tests.integrations.sglang_kit import Node, doubles_kit
 from tests.integrations.test_sglang import build, stdlib_logging, store_dir  # noqa: F401  (fixtures)
 
 
+def _hanging(mgr):
+    """Copies that hang until the returned event is set."""
+    engine, gate = mgr.offloader.engine, threading.Event()
+    submit = engine.submit
+    engine.submit = lambda tag, fn: submit(tag, lambda: (gate.wait(10), fn())[1])
+    return gate
+
+
 def test_a_copy_landing_after_the_release_wait_expired_stores_nothing_and_is_counted(store_dir):  # noqa: F811
     node = Node(doubles_kit())
     mgr = build(node)
     mgr.SGLANG_RELEASE_WAIT_S = 0.05
-    engine = mgr.offloader.engine
-    gate = threading.Event()
-    submit = engine.submit
-    engine.submit = lambda tag, fn: submit(tag, lambda: (gate.wait(10), fn())[1])  # a copy that hangs
+    gate = _hanging(mgr)  # a copy that hangs
     req = node.admit("late", list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(9)
+    node.decode_tokens(req, 4)
     row = req.kv.req_pool_idx
     slots = node.pool.req_to_token[row, 4:8].long().clone()
     assert mgr.offload_kv_cache(req)
@@ -68,14 +71,6 @@ def test_discard_write_of_an_unknown_ack_is_a_typed_error_and_changes_nothing(st
     mgr.release_host_resources()
 
 
-def _hanging(mgr):
-    """Copies that hang until the returned event is set."""
-    engine, gate = mgr.offloader.engine, threading.Event()
-    submit = engine.submit
-    engine.submit = lambda tag, fn: submit(tag, lambda: (gate.wait(10), fn())[1])
-    return gate
-
-
 def test_an_aborted_request_whose_wait_expired_ends_without_a_refusal_or_a_second_free(
         store_dir, tmp_path, monkeypatch, stdlib_logging):  # noqa: F811
     from lifecycle_tools.replay import replay_file
@@ -87,9 +82,7 @@ def test_an_aborted_request_whose_wait_expired_ends_without_a_refusal_or_a_secon
     mgr.SGLANG_RELEASE_WAIT_S = 0.05
     gate = _hanging(mgr)
     req = node.admit("aborted", list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(9)
+    node.decode_tokens(req, 4)
     assert mgr.offload_kv_cache(req)
     req.finished_reason = "abort"
     _release_hook(release_kv_cache)(req, node.tree, is_insert=False)  # SGLang frees after the wait
@@ -112,9 +105,7 @@ def test_a_retracted_request_resumes_on_a_new_row_while_its_discarded_copy_still
     mgr.SGLANG_RELEASE_WAIT_S = 0.05
     gate = _hanging(mgr)
     req = node.admit("back", list(range(4)), 12)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(9)
+    node.decode_tokens(req, 4)
     old_row = req.kv.req_pool_idx
     assert mgr.offload_kv_cache(req)
     _release_hook(release_kv_cache)(req, node.tree, is_insert=False)
@@ -151,9 +142,7 @@ def test_on_cuda_a_copy_stuck_on_the_copy_stream_past_the_wait_stores_nothing(st
     submit = engine.submit
     engine.submit = lambda tag, fn: submit(tag, lambda: (torch.cuda._sleep(int(3e9)), fn())[1])  # ~1-2 s
     req = node.admit("late", list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(9)
+    node.decode_tokens(req, 4)
     assert mgr.offload_kv_cache(req)
     req.finished_reason = "abort"
     _release_hook(release_kv_cache)(req, node.tree, is_insert=False)
@@ -173,9 +162,7 @@ def test_sglangs_release_answers_and_a_released_request_is_readmitted_only_with_
     stranger = node.admit("s", list(range(6)), 24)               # never offloaded: no lifecycle
     assert mgr.before_sglang_release(stranger) is True and mgr.manager.state_of(stranger) is None
     req = node.admit("r", list(range(10)), 24)
-    for _ in range(6):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(2000 + req.kv.kv_committed_len)
+    node.decode_tokens(req, 6)
     assert mgr.offload_kv_cache(req)
     with structlog.testing.capture_logs() as logs:
         _release_hook(release_kv_cache)(req, node.tree, is_insert=False)   # retraction: copy waited for
@@ -208,9 +195,7 @@ def test_with_tensor_parallelism_sglangs_release_waits_past_the_tp1_bound_for_th
     mgr.SGLANG_RELEASE_WAIT_S = 0.05
     gate = _hanging(mgr)
     req = node.admit("tp", list(range(4)), 30)
-    for _ in range(4):
-        node._grow(req, req.kv.kv_committed_len + 1)
-        req.output_ids.append(9)
+    node.decode_tokens(req, 4)
     assert mgr.offload_kv_cache(req)
     timer = threading.Timer(0.5, gate.set)    # the copy lands ten bounds later
     timer.start()

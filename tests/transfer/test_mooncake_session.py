@@ -75,11 +75,15 @@ def fake_mooncake(monkeypatch):
     return state
 
 
+def _until(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return cond()
+
+
 def wait_connected(session: ClientSession, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not session.connected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return session.connected
+    return _until(lambda: session.connected, timeout)
 
 
 def test_a_lazy_session_retries_with_a_doubling_backoff_capped_at_30_s(fake_mooncake):
@@ -142,13 +146,6 @@ def test_a_session_closed_while_its_master_is_gone_parks_the_client_for_good(fak
     del s, fake_mooncake.client
     gc.collect()
     assert client() is not None  # still referenced: never destroyed
-
-
-def _until(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return cond()
 
 
 def _held_connect(monkeypatch, client, gate: threading.Event, seen: list) -> None:
