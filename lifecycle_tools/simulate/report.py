@@ -115,10 +115,12 @@ class PassReport:
         return [msg for bad, msg in checks if bad]
 
     def _missing_unexplained(self) -> int:
-        """Sampled pages missing with no cause: not refused at the read, and no write failed."""
+        """Sampled pages missing with no cause: not refused at the read, no write failed and none was
+        cut off by the drain (a cut-off write is abandoned, never stored: each of its pages may be missing)."""
         if self.storage_failures or self.verify_unavailable or self.storage_evictions:
             return 0
-        return max(0, self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign)
+        return max(0, self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign
+                   - self.storage_pages_cut_off)
 
     def missing_causes(self) -> list[str]:
         """Why sampled pages were missing from storage (``verify_missing``), as far as counted."""
@@ -130,6 +132,8 @@ class PassReport:
         rest = self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign
         if rest > 0:
             why = [w for n, w in ((self.storage_failures, "storage writes failed"),
+                                  (self.storage_pages_cut_off,
+                                   f"{self.storage_pages_cut_off} pages' writes cut off at the end of the pass"),
                                   (self.storage_evictions, f"the store evicted {self.storage_evictions} pages under its capacity bound"))
                    if n]
             out.append(f"{rest} not found" + (f": {'; '.join(why)}" if why else ""))
