@@ -11,7 +11,8 @@ the group's ``[tool.mutmut]`` section there (modules to mutate, test files to ru
 package: mutants generated, killed, survived, timeout, no tests (code no selected test reaches),
 crashed (the test run died of a signal: SIGSEGV, or SIGKILL past the CPU limit — the
 mutant did not pass, counted as detected), other (suspicious), known equivalent (listed in ``bench/mutation_equivalent.txt`` with
-the reason), not run (the group was stopped first) and the kill rate = (killed + timeout +
+the reason and the hash of its function's source when judged: an entry whose function changed
+since is stale and its survivor counts as a survivor, see ``bench/mutation_equivalents.py``), not run (the group was stopped first) and the kill rate = (killed + timeout +
 crashed) / (generated - equivalent - no tests - not run).
 
 ``--continue`` goes on with a stopped run of the same commit (a group's snapshot is kept, and
@@ -36,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -43,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import mutation_equivalents as equivalents  # noqa: E402
 from bench.mutation_map import (  # noqa: E402
     ALSO_COPY,
     DESELECT,
@@ -234,7 +237,7 @@ def run_group(commit_dir: Path, commit: str, group: str, max_children: int, prev
     rc = 0 if survivors_only and rerun_before else _mutmut(snapshot, env, log, run)
 
     outcomes = listing(snapshot)
-    again = rerun_names(rerun_before, outcomes, load_equivalent())
+    again = rerun_names(rerun_before, outcomes, load_equivalent(snapshot))
     for i in range(0, len(again), 200):
         batch = again[i:i + 200]
         got = _mutmut(snapshot, env, log, [*run, *batch])
@@ -264,16 +267,29 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def load_equivalent() -> dict[str, str]:
-    """``mutant name  # reason`` lines."""
-    if not EQUIVALENT_FILE.exists():
-        return {}
-    out = {}
-    for line in EQUIVALENT_FILE.read_text().splitlines():
-        name, _, reason = line.partition("#")
-        if name.strip():
-            out[name.strip()] = reason.strip()
-    return out
+def load_equivalent(root: Path | None = None) -> dict[str, str]:
+    """``mutant name [@function hash]  # reason`` lines, as name -> reason.
+
+    With ``root`` (a tree of the library's sources: a snapshot, a commit's extract), only the entries
+    still current there: an entry whose function is gone or changed since it was judged may name
+    another mutant now (``bench/mutation_equivalents.py``), and is left out (its survivor counts
+    as a survivor)."""
+    entries = equivalents.load(EQUIVALENT_FILE)
+    bad = equivalents.stale(entries, root) if root is not None else {}
+    return {e.name: e.reason for e in entries if e.name not in bad}
+
+
+def stale_equivalent(root: Path) -> dict[str, str]:
+    """The listed equivalents not current in ``root``, with why."""
+    return equivalents.stale(equivalents.load(EQUIVALENT_FILE), root)
+
+
+def commit_tree(commit: str, dest: Path) -> Path:
+    """``commit``'s library sources extracted under ``dest`` (for judging the equivalents of its run)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *LIBRARY], check=True, capture_output=True)
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest
 
 
 def tally(outcomes: dict[str, str], equivalent: dict[str, str]) -> Counter:
@@ -371,8 +387,16 @@ def main() -> None:
         print(f"  {group}: {len(r['outcomes'])} mutants in {r['wall_s']:.0f} s (mutmut rc {r['rc']})",
               flush=True)
     print()
-    finished, equivalent = [done[g] for g in GROUPS if g in done], load_equivalent()
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = commit_tree(commit, Path(tmp))
+        finished, equivalent = [done[g] for g in GROUPS if g in done], load_equivalent(tree)
+        stale = stale_equivalent(tree)
     report(finished, equivalent)
+    if stale:
+        print(f"\n{len(stale)} listed equivalents are stale at {commit} (their survivors count as survivors; "
+              "re-read them: bench/mutation_equivalents.py --show):")
+        for name, why in stale.items():
+            print(f"  {name}: {why}")
     if args.by_module:
         print()
         print_table(by_module(finished, equivalent))

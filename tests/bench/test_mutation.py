@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import mutation, mutation_fresh
+from bench import mutation_equivalents as equivalents
 from bench.mutation_map import GROUPS, NEVER_MUTATE, SLOW_OR_MULTIPROCESS_TESTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,10 +55,9 @@ def test_equivalent_file_is_name_then_reason(tmp_path, monkeypatch):
 
 def test_the_equivalent_list_has_a_reason_on_every_line_and_no_name_twice():
     lines = [line for line in (ROOT / "bench" / "mutation_equivalent.txt").read_text().splitlines() if line.strip()]
-    names = [line.partition("#")[0].strip() for line in lines]
-    assert all("__mutmut_" in n for n in names)
-    assert all(line.partition("#")[2].strip() for line in lines)
-    assert len(names) == len(set(names))
+    entries = [equivalents.parse_line(line) for line in lines]
+    assert all("__mutmut_" in e.name and e.reason and e.hash for e in entries)
+    assert len({e.name for e in entries}) == len(entries)
 
 
 def test_expand_matches_globs_and_drops_exclusions(tmp_path):
