@@ -201,8 +201,9 @@ def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> torch.Tensor:
         return _EMPTY
     if not on_host(table):
         row = table[row_id]
-        parts = [row[s:e] for s, e in ranges]
-        return (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.int64)
+        if len(ranges) == 1:  # a slice is a view of the row: copied, so a later write to the row is not seen
+            return row[ranges[0][0]:ranges[0][1]].to(torch.int64, copy=True)
+        return torch.cat([row[s:e] for s, e in ranges]).to(torch.int64)
     row = table.numpy()[row_id]  # an integer table (config refuses others): never requires grad
     return torch.from_numpy((row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
                              else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64))

@@ -268,3 +268,11 @@ def test_adding_a_transition_recompiles_the_event():
     assert readmit.trigger(rec, mgr=mgr, req=None) and rec.state is State.PREFILLED
     assert mgr.calls == ["record_transition", "reset_progress"]
     assert EVENTS["readmit"].select(Facty(State.FINISHED, 0)) is None  # the module machine is untouched
+
+
+def test_the_diagram_markup_says_there_are_no_auto_transitions():
+    """The markup the diagrams are drawn from states the option as set (no ``to_<state>`` events)."""
+    from transitions.extensions.markup import MarkupMachine
+
+    assert build_machine(event_cls=Event, machine_cls=MarkupMachine).markup["auto_transitions"] is False
+    assert not any(name.startswith("to_") for name in EVENTS)

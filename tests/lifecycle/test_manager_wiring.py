@@ -11,7 +11,8 @@ import torch
 
 from lifecycle import DecodeOffloadManager, InvalidRequest, State
 from lifecycle.release import AllocatorReleaseSink
-from lifecycle_tools.testkit.doubles import EffectiveReq
+from lifecycle_tools.testkit.doubles import EffectiveReq, Req
+from tests.conftest import Node
 from tests.support.ranks import world  # noqa: F401 (fixture)
 from tests.support.real_rig import Rig
 from transfer import build_stack
@@ -111,3 +112,34 @@ def test_a_dropped_request_is_reported_with_the_slots_it_held_at_its_last_call()
         assert rig.mgr.stats().leaked == 1
     (leak,) = [e for e in logs if e["event"] == "lifecycle.leaked"]
     assert leak["slots"] == 12 and leak["state"] == "PREFILLED"
+
+
+class CountingReq(Req):
+    """Counts how often the manager reads the effective committed length."""
+
+    reads = 0
+
+    def effective_kv_committed_len(self):
+        self.reads += 1
+        return self.kv.kv_committed_len
+
+
+@pytest.mark.parametrize("case", ["nothing committed", "committed == allocated", "allocated == row width",
+                                  "strictly inside"])
+def test_a_tracked_requests_call_reads_its_committed_length_once_at_every_bound(case):
+    """The per-call check of a tracked request is one pass over its lengths, bounds included
+    (0 <= committed <= allocated <= width): a bound taken for a doubt would send the call down the
+    full check, which reads ``effective_kv_committed_len()`` a second time."""
+    node = Node(page_size=PS)
+    width = node.pool.width
+    prompt = {"nothing committed": (), "allocated == row width": range(width)}.get(case, range(8))
+    req = CountingReq("r", prompt, row=0)                # one output token: its KV not written yet
+    if case == "strictly inside":
+        req.kv.kv_allocated_len += 3                      # room allocated ahead (speculative)
+    assert node.mgr.offload_kv_cache(req) is False        # first sight: tracked
+    assert node.mgr.stats().tracked == 1
+    req.finish()
+    req.reads = 0
+    node.mgr.finalize_release_on_finish(req)              # no copy in flight: released now
+    assert req.reads == 1
+    assert node.mgr.stats().tracked == 0 and node.mgr.refusals() == {}

@@ -341,3 +341,22 @@ def test_an_allocator_without_a_check_free_method_is_never_asked_and_chunks_and_
     base_stats, base_state, base_free = _offload_then_release(PagedTokenAllocator)
     assert stats.chunks_enqueued == base_stats.chunks_enqueued >= 1
     assert state is base_state is State.RELEASED and free == base_free
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("ranges", [((0, 4),), ((0, 4), (8, 12))], ids=["one range", "two ranges"])
+def test_a_plans_slots_are_its_own_copy_of_the_row(device, dtype, ranges):
+    """The plan's slot ids are read once: a sink that keeps them sees what was planned even after
+    the row is reused or poisoned (an int64 row on a device was once handed out as a view)."""
+    from lifecycle.release import _row_slots
+    from lifecycle_tools.testkit.sync_trap import as_device_resident
+
+    table = torch.arange(32, dtype=dtype).reshape(2, 16)
+    if device:
+        table = as_device_resident(table)
+    slots = _row_slots(table, 1, ranges)
+    want = [16 + p for s, e in ranges for p in range(s, e)]
+    assert slots.dtype == torch.int64 and slots.tolist() == want
+    table[1] = -1                                      # the row poisoned after the plan
+    assert slots.tolist() == want

@@ -8,12 +8,15 @@ is quarantined).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from hashing import page_hashes
 from lifecycle import InvalidRequest, InvalidTransition, State
 from lifecycle.errors import InvalidToken
+from lifecycle.requests import row_of
 from lifecycle_tools.testkit.doubles import Req
 from tests.support.real_rig import Rig
 from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
@@ -237,3 +240,18 @@ def test_a_request_first_seen_allocated_to_the_full_row_width_is_accepted():
     req, _ = rig.admit("f", 8, 16, outputs=tuple(range(7000, 7005)))
     req.kv.kv_allocated_len = 16                        # committed 12, speculative slots to the row's end
     assert rig.mgr.offload_kv_cache(req) and rig.mgr.progress_of(req).inc_len == 4
+
+
+@pytest.mark.parametrize("thing, shown", [
+    (object(), "request None has no req_to_token row (None)"),                        # no kv, no rid
+    (SimpleNamespace(rid="a", kv=SimpleNamespace()), "request 'a' has no req_to_token row (None)"),
+    (SimpleNamespace(kv=SimpleNamespace(req_pool_idx=-1)), "request None has no req_to_token row (-1)"),
+    (SimpleNamespace(rid="b", kv=SimpleNamespace(req_pool_idx=True)), "request 'b' has no req_to_token row (True)"),
+])
+def test_row_of_refuses_whatever_lacks_an_int_row_with_invalid_request(thing, shown):
+    """``row_of`` is the one reading of a row: anything without an int row, even without a ``kv``
+    or a ``rid``, is an InvalidRequest naming what it found, never an AttributeError."""
+    with pytest.raises(InvalidRequest) as exc:
+        row_of(4, thing)
+    assert str(exc.value) == shown
+    assert row_of(4, SimpleNamespace(rid="c", kv=SimpleNamespace(req_pool_idx=3))) == 3

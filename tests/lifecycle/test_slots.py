@@ -163,3 +163,9 @@ def test_a_release_around_quarantined_slots_still_refuses_a_slot_another_copy_re
     free = bare_mgr()
     s, left_out = check_slots(free, "r", 3, ((0, 9),), ids(*xs), "free", quarantined=ids(*held))
     assert s.tolist() == [x for x in xs if x not in held] and left_out == len(held)
+
+
+def test_no_ids_are_no_ids_checked_and_none_left_out():
+    for verb, kw in (("offload", {"indices": torch.empty(0, dtype=torch.int64)}), ("free", {"quarantined": ids(3)})):
+        s, left_out = check_slots(bare_mgr(), "r", 3, ((0, 0),), np.empty(0, dtype=np.int64), verb, **kw)
+        assert s.shape == (0,) and left_out == 0
