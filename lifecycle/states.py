@@ -174,7 +174,10 @@ _COMPILED: dict = {}  # id(tuple table) -> (table, {(trigger, state): [(conditio
 
 
 def _compiled(table) -> dict:
-    """The table indexed by (trigger, source state), its guard names as tuples (once per table)."""
+    """The table indexed by (trigger, source state), its guard names as tuples (once per table).
+
+    A tuple table is taken as frozen: compiled on its first use and never again, so its rows must
+    not be edited in place afterwards (a list is compiled afresh on every use)."""
     hit = _COMPILED.get(id(table))
     if hit is not None and hit[0] is table and isinstance(table, tuple):
         return hit[1]

@@ -169,3 +169,13 @@ def test_no_ids_are_no_ids_checked_and_none_left_out():
     for verb, kw in (("offload", {"indices": torch.empty(0, dtype=torch.int64)}), ("free", {"quarantined": ids(3)})):
         s, left_out = check_slots(bare_mgr(), "r", 3, ((0, 0),), np.empty(0, dtype=np.int64), verb, **kw)
         assert s.shape == (0,) and left_out == 0
+
+
+@pytest.mark.parametrize("slot", [2**53 + 1, 2**63 - 1], ids=["past float precision", "largest int64"])
+def test_the_allocator_is_asked_about_the_exact_page_of_a_huge_slot_id(slot):
+    """Page arithmetic stays in int64: a slot id past 2**53 is not rounded to a neighbour's page
+    (which the allocator may hold) nor turned into a float the allocator cannot read."""
+    alloc = SpyAllocator(holds=False)
+    s, _ = plan(bare_mgr(alloc, page=1), [slot])
+    assert s.tolist() == [slot] and alloc.probed == [[slot]]
+    assert all(type(p) is int for p in alloc.probed[0])

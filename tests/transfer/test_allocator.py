@@ -145,3 +145,11 @@ def test_holds_slots_says_what_check_free_of_the_run_would_say():
         assert a.holds_slots(lo, hi) is expected, (lo, hi)
         assert a.available_size() == before
     a.check_integrity()
+
+
+def test_a_refusal_names_the_exact_page_of_a_slot_past_float_precision():
+    """Slot -> page arithmetic is integer: a slot id past 2**53 names its own page."""
+    alloc = PagedTokenAllocator(2**60, 2**40)                   # 2**20 pages, none allocated
+    with pytest.raises(NotAllocated, match=r"\b1048575\b") as exc:
+        alloc.check_free(torch.tensor([2**60 - 1]))
+    assert "1048576" not in str(exc.value)

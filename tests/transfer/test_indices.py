@@ -113,3 +113,11 @@ def test_errors_name_the_argument_and_the_shape_of_the_problem():
         pages_of_aligned(torch.tensor([1, 2]), 2, "chunk slots")
     with pytest.raises(BadIndices, match=r"^chunk slots must be 1-D"):
         pages_of_aligned(torch.zeros((2, 2), dtype=torch.int64), 2, "chunk slots")
+
+
+@pytest.mark.parametrize("first, page", [(2**53 + 1, 1), (2**62, 2**10), (2**63 - 4, 4)])
+def test_page_ids_of_huge_slot_ids_are_exact(first, page):
+    """Page arithmetic stays in integers: slot ids past 2**53 name their own pages, not a
+    float-rounded neighbour's (nor one page too many or too few)."""
+    slots = torch.tensor(list(range(first, first + page)), dtype=torch.int64)
+    assert pages_of_aligned(slots, page).tolist() == [first // page]
