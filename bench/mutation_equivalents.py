@@ -12,7 +12,8 @@ An entry is *stale* when its function is gone or its source no longer hashes to 
 ``bench/mutation.py`` counts a stale entry's survivor as a survivor, not as an equivalent, and lists
 it; the test suite fails on any stale entry (``stale``: plain ``ast``, mutmut not needed). After
 re-reading the entry's diff against its reason (``--show``), ``--refresh NAME ...`` records the
-current hash; an entry whose mutant no longer fits its reason is deleted or rewritten.
+current hash; an entry whose mutant no longer fits its reason is deleted or rewritten. (The
+numbering is also mutmut's: the ``mutation`` extra pins its version.)
 
     .venv/bin/python bench/mutation_equivalents.py --check
     .venv/bin/python bench/mutation_equivalents.py --show [NAME ...]     # needs the mutation extra
