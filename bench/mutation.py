@@ -267,29 +267,24 @@ with open(sys.argv[1], "w") as f:
 """
 
 
-def load_equivalent(root: Path | None = None) -> dict[str, str]:
-    """``mutant name [@function hash]  # reason`` lines, as name -> reason.
+def judge_equivalent(root: Path | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The listed equivalents (``mutant name @function hash  # reason`` lines), judged in ``root``.
 
-    With ``root`` (a tree of the library's sources: a snapshot, a commit's extract), only the entries
-    still current there: an entry whose function is gone or changed since it was judged may name
-    another mutant now (``bench/mutation_equivalents.py``), and is left out (its survivor counts
-    as a survivor)."""
+    ``root`` is a tree of the library's sources (a snapshot, a commit's extract). An entry whose
+    function is gone or changed there since it was judged may name another mutant now
+    (``bench/mutation_equivalents.py``): it is stale, and its survivor counts as a survivor.
+    Returns:
+        (name -> reason of the current entries, name -> why of the stale ones); without ``root``
+        every entry is taken as current.
+    """
     entries = equivalents.load(EQUIVALENT_FILE)
-    bad = equivalents.stale(entries, root) if root is not None else {}
-    return {e.name: e.reason for e in entries if e.name not in bad}
+    stale = equivalents.stale(entries, root) if root is not None else {}
+    return {e.name: e.reason for e in entries if e.name not in stale}, stale
 
 
-def stale_equivalent(root: Path) -> dict[str, str]:
-    """The listed equivalents not current in ``root``, with why."""
-    return equivalents.stale(equivalents.load(EQUIVALENT_FILE), root)
-
-
-def commit_tree(commit: str, dest: Path) -> Path:
-    """``commit``'s library sources extracted under ``dest`` (for judging the equivalents of its run)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, *LIBRARY], check=True, capture_output=True)
-    dest.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    return dest
+def load_equivalent(root: Path | None = None) -> dict[str, str]:
+    """The current entries of the list in ``root``, name -> reason (see ``judge_equivalent``)."""
+    return judge_equivalent(root)[0]
 
 
 def tally(outcomes: dict[str, str], equivalent: dict[str, str]) -> Counter:
@@ -388,9 +383,10 @@ def main() -> None:
               flush=True)
     print()
     with tempfile.TemporaryDirectory() as tmp:
-        tree = commit_tree(commit, Path(tmp))
-        finished, equivalent = [done[g] for g in GROUPS if g in done], load_equivalent(tree)
-        stale = stale_equivalent(tree)
+        tree = Path(tmp) / "tree"
+        snapshot_of(commit, tree)                      # the sources the run's equivalents are judged in
+        equivalent, stale = judge_equivalent(tree)
+    finished = [done[g] for g in GROUPS if g in done]
     report(finished, equivalent)
     if stale:
         print(f"\n{len(stale)} listed equivalents are stale at {commit} (their survivors count as survivors; "

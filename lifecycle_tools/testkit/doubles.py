@@ -66,6 +66,16 @@ class EffectiveReq(Req):
         return self.effective
 
 
+class CountingReq(Req):
+    """Counts how often the manager reads the effective committed length (``reads``)."""
+
+    reads = 0
+
+    def effective_kv_committed_len(self):
+        self.reads += 1
+        return self.kv.kv_committed_len
+
+
 class ReqToTokenPool:
     """Row r maps position p to slot ``r * width + p`` (pages never straddle rows).
 

@@ -103,7 +103,7 @@ def test_the_campaign_counts_a_stale_entry_as_a_survivor(tmp_path, monkeypatch):
     tree(tmp_path, MODULE.replace("return k * 2", "return k * 3"))
     equivalent = mutation.load_equivalent(root)
     assert equivalent == {fresh.name: "a"}
-    assert list(mutation.stale_equivalent(root)) == [old.name]
+    assert list(mutation.judge_equivalent(root)[1]) == [old.name]
     c = mutation.tally({fresh.name: "survived", old.name: "survived"}, equivalent)
     assert (c["equivalent"], c["survived"]) == (1, 1)
 

@@ -19,7 +19,7 @@ from lifecycle import (
 )
 from lifecycle.records import RecordView
 from tests.conftest import Node
-from lifecycle_tools.testkit.doubles import DoubleFree, EffectiveReq, Req
+from lifecycle_tools.testkit.doubles import CountingReq, DoubleFree, EffectiveReq, Req
 from transfer import InMemoryOffloader
 
 P, O, I, F, R = State.PREFILLED, State.OFFLOADING, State.INFLIGHT, State.FINISHED, State.RELEASED
@@ -332,16 +332,6 @@ def test_readmit_of_something_never_seen_names_no_request_and_says_why():
         assert (exc.value.rid, exc.value.trigger, exc.value.state, exc.value.reason) == (
             rid, "readmit", "UNSEEN", "the request was never seen")
     assert node.mgr.refusals() == {"readmit in UNSEEN": 2} and node.mgr.stats().tracked == 0
-
-
-class CountingReq(Req):
-    """Counts how often the manager reads the effective committed length."""
-
-    reads = 0
-
-    def effective_kv_committed_len(self):
-        self.reads += 1
-        return self.kv.kv_committed_len
 
 
 def test_a_finished_request_released_at_first_sight_is_read_once():

@@ -11,7 +11,7 @@ import torch
 
 from lifecycle import DecodeOffloadManager, InvalidRequest, State
 from lifecycle.release import AllocatorReleaseSink
-from lifecycle_tools.testkit.doubles import EffectiveReq, Req
+from lifecycle_tools.testkit.doubles import CountingReq, EffectiveReq
 from tests.conftest import Node
 from tests.support.ranks import world  # noqa: F401 (fixture)
 from tests.support.real_rig import Rig
@@ -112,16 +112,6 @@ def test_a_dropped_request_is_reported_with_the_slots_it_held_at_its_last_call()
         assert rig.mgr.stats().leaked == 1
     (leak,) = [e for e in logs if e["event"] == "lifecycle.leaked"]
     assert leak["slots"] == 12 and leak["state"] == "PREFILLED"
-
-
-class CountingReq(Req):
-    """Counts how often the manager reads the effective committed length."""
-
-    reads = 0
-
-    def effective_kv_committed_len(self):
-        self.reads += 1
-        return self.kv.kv_committed_len
 
 
 @pytest.mark.parametrize("case", ["nothing committed", "committed == allocated", "allocated == row width",
