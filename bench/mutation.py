@@ -92,6 +92,15 @@ def snapshot_of(commit: str, dest: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
 
 
+def stale_equivalents(commit: str) -> dict[str, str]:
+    """The listed equivalents that are stale in ``commit``'s tree (name -> why): the campaign's guard on
+    the list, run before any group (a stale entry's survivor counts as a survivor)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        snapshot_of(commit, tree)
+        return judge_equivalent(tree)[1]
+
+
 def configure(snapshot: Path, group: str, write: bool = True) -> tuple[list[str], list[str]]:
     """Write the group's [tool.mutmut] into the snapshot's pyproject (unless ``write`` is False: a
     snapshot configured before); return (modules, tests)."""
@@ -370,6 +379,13 @@ def main() -> None:
     results_file = commit_dir / "results.json"
     done = {r["group"]: r for r in json.loads(results_file.read_text())} if results_file.exists() else {}
     print(f"mutation campaign on {commit}, groups {', '.join(args.groups)}", flush=True)
+    if not args.report_only:
+        stale_at_start = stale_equivalents(commit)
+        if stale_at_start:     # the guard on the list: its survivors will count as survivors
+            print(f"{len(stale_at_start)} listed equivalents are stale at {commit}; re-read them before trusting "
+                  "the rate (bench/mutation_equivalents.py --show NAME, then --refresh NAME or delete):", flush=True)
+            for name, why in stale_at_start.items():
+                print(f"  {name}: {why}", flush=True)
     previous = None
     if args.resume_from:
         old = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.resume_from],

@@ -10,7 +10,8 @@ records a hash of its function's source at the time the mutant was judged::
 
 An entry is *stale* when its function is gone or its source no longer hashes to the recorded value.
 ``bench/mutation.py`` counts a stale entry's survivor as a survivor, not as an equivalent, and lists
-it; the test suite fails on any stale entry (``stale``: plain ``ast``, mutmut not needed). After
+it, before its first group and in its report (``stale``: plain ``ast``, mutmut not needed); the
+default test suite does not (a refactor of a listed function must not fail the suite). After
 re-reading the entry's diff against its reason (``--show``), ``--refresh NAME ...`` records the
 current hash; an entry whose mutant no longer fits its reason is deleted or rewritten. (The
 numbering is also mutmut's: the ``mutation`` extra pins its version.)
