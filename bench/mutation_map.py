@@ -59,10 +59,10 @@ GROUPS: dict[str, dict] = {
                   "tests/transfer/test_log.py"],
     },
     "transfer.storage": {
-        "mutate": ["transfer/storage/*.py", "transfer/checksum.py", "transfer/prefix.py"],
+        "mutate": ["transfer/storage/*.py", "transfer/prefix.py"],
         "exclude": ["transfer/storage/mooncake*.py"],
         "tests": ["tests/transfer/test_storage.py", "tests/transfer/test_file_storage*.py",
-                  "tests/transfer/test_redis_*.py", "tests/transfer/test_checksum.py",
+                  "tests/transfer/test_redis_*.py",
                   "tests/transfer/test_integrity.py", "tests/transfer/test_breaker.py",
                   "tests/transfer/test_prefix*.py", "tests/transfer/test_lru*.py",
                   "tests/transfer/test_storage_checks.py", "tests/transfer/test_writers.py",
