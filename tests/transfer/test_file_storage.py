@@ -144,6 +144,36 @@ def test_foreign_suffix_pages_of_the_right_size_are_never_adopted_or_evicted(tmp
     assert not s.delete(A) and (tmp_path / theirs[0]).exists()
 
 
+def test_same_name_pages_another_deployment_sealed_are_never_replaced_indexed_evicted_or_deleted(tmp_path):
+    """Our exact file names, sealed by a deployment of another format (another host layout):
+    not indexed at start (so a tight bound never evicts them), not replaced by a write of ours —
+    also for a key we had indexed whose file was replaced since — and not deleted; each write or
+    delete that leaves one is counted ``foreign_kept`` and reports the page stored / not deleted.
+    A store that writes no seals (``checksum=False``) leaves them too."""
+    from transfer.storage.integrity import PageFormat
+    first = PageFormat.of("page_first", torch.uint8, (2, NB // 2))
+    head = PageFormat.of("page_head", torch.uint8, (2, NB // 2))
+    theirs = FileStorage(tmp_path, SUFFIX, NB, page_format=head)
+    assert theirs.batch_set([A, B], [page(1), page(2)]) == [True, True]
+    ours = FileStorage(tmp_path, SUFFIX, NB, capacity_pages=1, page_format=first)  # a restart, tight bound
+    assert ours.stats().pages == 0 and ours.stats().evictions == 0
+    assert ours.batch_set([A, C], [page(7), page(3)]) == [True, True]
+    assert (ours.stats().stored, ours.stats().foreign_kept) == (1, 1)
+    os.unlink(tmp_path / f"{C}{SUFFIX}.bin")  # our indexed C vanishes, and theirs writes C
+    assert theirs.batch_set([C], [page(4)]) == [True]
+    assert ours.batch_set([C], [page(3)]) == [True] and ours.stats().foreign_kept == 2
+    assert ours.batch_set([D], [page(5)]) == [True] and ours.delete(B) is False
+    assert ours.stats().foreign_kept == 3
+    plain = FileStorage(tmp_path, SUFFIX, NB, checksum=False, page_format=first)
+    assert plain.batch_set([A], [page(9)]) == [True] and plain.delete(C) is False
+    assert plain.stats().foreign_kept == 2
+    out = torch.empty(NB, dtype=torch.uint8)
+    for key, i in ((A, 1), (B, 2), (C, 4)):
+        assert theirs.batch_get([key], [out]) == [True] and torch.equal(out, page(i)), key
+    assert ours.batch_get([A], [out]) == [False] and ours.stats().foreign == 1
+    assert ours.delete(D) is True  # its own page
+
+
 def test_default_model_name_does_not_claim_other_models(tmp_path):
     other = tmp_path / f"{A}_org-model_0_1.bin"  # '*_model_0_1' but model 'org/model'
     other.write_bytes(bytes(NB))

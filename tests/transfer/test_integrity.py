@@ -10,6 +10,7 @@ import torch
 from transfer.errors import InvalidKey, StorageConfigError, TransferError
 from transfer.storage.integrity import (
     SEAL_NBYTES, PageFormat, Verdict, check_key, check_suffix, decode_seal, raw_format, seal, verify,
+    written_by_another,
 )
 
 KEY = "ab" * 32
@@ -122,3 +123,33 @@ def test_raw_format_is_each_pages_own_format_however_often_and_in_whatever_order
     for _ in range(2):  # the second round is answered from the cache
         for page in pages:
             assert raw_format(page) == PageFormat.raw(page)
+
+
+def test_the_ownership_rule_protects_exactly_the_pages_a_seal_proves_another_deployment_wrote():
+    """``written_by_another``: a decodable seal describing the stored bytes and naming another
+    page or another format is proof; nothing else is (those stay repairable and removable)."""
+    page = os.urandom(4096)
+    head_dim_first = PageFormat.of("page_head", torch.bfloat16, (2, 2, 4, 2, 64))
+    ours = seal(NAME, BF16, page)
+    assert not written_by_another(ours, 4096, NAME, BF16)  # our own page
+    assert not written_by_another(ours, None, NAME, None)
+    # another host layout, another dtype: the same name, the same size, another format
+    assert written_by_another(seal(NAME, head_dim_first, page), 4096, NAME, BF16)
+    fp16 = PageFormat.of("page_first", torch.float16, (2, 4, 2, 2, 64))
+    assert written_by_another(seal(NAME, fp16, page), 4096, NAME, BF16)
+    fp8 = PageFormat.of("page_first", torch.float8_e4m3fn, (2, 4, 2, 2, 64))
+    assert written_by_another(seal(NAME, fp8, page[:2048]), 2048, NAME, BF16)  # another size too
+    # another page name (another attention-CP rank under Mooncake's shared object names)
+    other_name = KEY + "_m_0_1_cp1_2"
+    assert written_by_another(seal(other_name, BF16, page), 4096, NAME, BF16)
+    assert written_by_another(seal(other_name, BF16, page), None, NAME, None)
+    assert not written_by_another(seal(NAME, head_dim_first, page), 4096, NAME, None)  # format unknown
+    # no proof: no seal, not a seal, a seal not describing what is stored, our format over another size
+    assert not written_by_another(None, 4096, NAME, BF16)
+    assert not written_by_another(b"x" * SEAL_NBYTES, 4096, NAME, BF16)
+    assert not written_by_another(ours[:50], 4096, NAME, BF16)
+    assert not written_by_another(seal(NAME, head_dim_first, page), 4000, NAME, BF16)  # torn / truncated
+    assert not written_by_another(seal(NAME, BF16, page + page), 8192, NAME, BF16)
+    newer = bytearray(seal(NAME, head_dim_first, page))
+    newer[4] = 3  # a seal of another version
+    assert not written_by_another(bytes(newer), 4096, NAME, BF16)

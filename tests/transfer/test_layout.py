@@ -311,3 +311,73 @@ def test_a_page_of_the_wrong_size_is_refused_before_it_is_reordered():
     with pytest.raises(PageSizeMismatch):
         store.batch_get([H1], [short])
     assert inner.sets == [1] and inner.gets == [] and not short.any()
+
+
+# --- two deployments of other host layouts over one store (issue 35, item 1) ---------------------
+
+def _shared_spec(tier: str, tmp_path, request) -> str:
+    return f"file:{tmp_path}" if tier == "file" else request.getfixturevalue("redis_url")
+
+
+def _drop_behind_our_back(tier: str, spec: str, ident: DeploymentIdentity, key: str) -> None:
+    """The page vanishes without the store knowing (another process's eviction, an expiry)."""
+    if tier == "file":
+        os.unlink(os.path.join(spec[len("file:"):], ident.file_name(key)))
+    else:
+        import redis
+        c = redis.Redis.from_url(spec)
+        assert c.delete(key + ident.file_suffix) == 1
+        c.close()
+
+
+@pytest.mark.parametrize("tier", ["file", "redis"])
+def test_two_deployments_of_other_host_layouts_never_destroy_each_others_pages(tier, tmp_path, request):
+    """Same page names (as SGLang's), another host layout: each deployment reads every page of its
+    own, bit-exact; the other's pages under the same names are ``foreign`` misses (counted), and a
+    write, an eviction or a delete of such a name leaves the other's page as it is (a write
+    reports it stored — already there — counted ``foreign_kept``). Before, the second writer
+    replaced the first's pages (file: ``os.replace``; Redis: "repaired") and it read 0/4."""
+    spec = _shared_spec(tier, tmp_path, request)
+    hosts = {"page_head": random_host(LAYERS, HEADS, DIM, PS, 8, False, seed=1),
+             "page_first": random_host(LAYERS, HEADS, DIM, PS, 8, False, seed=2)}
+    nb = hosts["page_head"].page_nbytes
+    idents = {layout: DeploymentIdentity(model_name="m", layout=layout) for layout in hosts}
+
+    def deployment(layout: str, **kw):
+        return open_storage(spec, page_nbytes=nb, identity=idents[layout], page_format=page_format(hosts[layout]), **kw)
+
+    def reads(store, layout: str, idx) -> list[bool]:
+        into = [torch.zeros(nb, dtype=torch.uint8) for _ in idx]
+        got = store.batch_get([hs[i] for i in idx], into)
+        for ok, buf, i in zip(got, into, idx):  # served: its own page bit-exact; refused: nothing left
+            assert torch.equal(buf, hosts[layout].page_bytes(i)) if ok else not buf.any()
+        return got
+
+    head, first = deployment("page_head"), deployment("page_first")
+    hs = [os.urandom(32).hex() for _ in range(8)]
+    assert head.batch_set(hs[:4], [hosts["page_head"].page_bytes(i) for i in range(4)]) == [True] * 4
+    # page_first writes 4 pages, two of them under names page_head holds: already there, not replaced
+    assert first.batch_set(hs[2:6], [hosts["page_first"].page_bytes(i) for i in range(2, 6)]) == [True] * 4
+    assert (first.stats().stored, first.stats().foreign_kept) == (2, 2)
+    assert reads(head, "page_head", range(4)) == [True] * 4
+    assert reads(first, "page_first", range(2, 6)) == [False, False, True, True] and first.stats().foreign == 2
+    # and the other way round
+    assert head.batch_set(hs[4:6], [hosts["page_head"].page_bytes(i) for i in (4, 5)]) == [True, True]
+    assert head.stats().foreign_kept == 2 and reads(first, "page_first", [4, 5]) == [True, True]
+    # a delete of a name the other holds removes nothing
+    assert first.delete(hs[2]) is False and head.delete(hs[4]) is False
+    assert (first.stats().foreign_kept, head.stats().foreign_kept) == (3, 3)
+    assert reads(head, "page_head", [2]) == [True] and reads(first, "page_first", [4]) == [True]
+    # an eviction of a name that now holds the other's page: page_first (one page of room) wrote
+    # hs[6]; it vanished behind its back and page_head wrote its own hs[6]; page_first's next
+    # write evicts hs[6] from its index, and leaves page_head's page there (a file store opened
+    # with that bound evicts its own deployment's pages at start, never page_head's)
+    small = deployment("page_first", capacity_bytes=nb)
+    assert small.batch_set([hs[6]], [hosts["page_first"].page_bytes(6)]) == [True]
+    _drop_behind_our_back(tier, spec, idents["page_first"], hs[6])
+    assert head.batch_set([hs[6]], [hosts["page_head"].page_bytes(6)]) == [True]
+    assert small.batch_set([hs[7]], [hosts["page_first"].page_bytes(7)]) == [True]
+    assert small.stats().evictions >= 1 and small.stats().foreign_kept >= 1
+    assert reads(head, "page_head", [0, 1, 2, 3, 6]) == [True] * 5  # file: also not indexed at small's start
+    for s in (head, first, small):
+        s.close()

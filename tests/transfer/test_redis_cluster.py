@@ -165,6 +165,37 @@ def test_a_cluster_store_without_a_suffix_keeps_pages_under_their_hash(redis_clu
     s.close()
 
 
+def test_another_deployments_pages_are_never_replaced_evicted_or_deleted_on_any_primary(redis_cluster):
+    """The ownership rule over the cluster: pages of another format under our names (another dtype
+    here; another host layout alike), spread over every primary, are already there for a write
+    (True, ``foreign_kept``), never replaced; evictions and deletes (a compare-and-delete routed
+    to the key's primary) leave them; our own pages are evicted and deleted as before."""
+    fp16 = PageFormat.of("raw", torch.float16, (NB // 2,))
+    theirs = open_storage(redis_cluster.url, "_m_0_1", NB, page_format=fp16)
+    ours = open_storage(redis_cluster.url, "_m_0_1", NB, page_format=FMT, capacity_bytes=2 * NB)
+    c = raw_client(redis_cluster)
+    try:
+        keys = hashes(12)
+        assert theirs.batch_set(keys[:6], [page(100 + i) for i in range(6)]) == [True] * 6
+        assert ours.batch_set(keys[:8], [page(i) for i in range(8)]) == [True] * 8
+        assert ours.stats().foreign_kept == 6 and ours.stats().stored == 2
+        out = [torch.empty(NB, dtype=torch.uint8) for _ in range(6)]
+        assert theirs.batch_get(keys[:6], out) == [True] * 6
+        assert all(torch.equal(o, page(100 + i)) for i, o in enumerate(out))
+        # ours held keys[6:8]; keys[6] vanishes and theirs writes it; our next writes evict it
+        assert c.delete(keys[6] + "_m_0_1") == 1
+        assert theirs.batch_set([keys[6]], [page(106)]) == [True]
+        assert ours.batch_set(keys[8:10], [page(8), page(9)]) == [True, True]
+        assert ours.stats().evictions == 2 and c.exists(keys[7] + "_m_0_1") == 0  # ours: evicted
+        assert ours.delete(keys[0]) is False and ours.delete(keys[8]) is True
+        assert ours.stats().foreign_kept == 8
+        assert theirs.batch_get([keys[0], keys[6]], out[:2]) == [True, True] and torch.equal(out[1], page(106))
+    finally:
+        c.close()
+        theirs.close()
+        ours.close()
+
+
 def test_a_dead_primary_is_a_typed_bounded_error(redis_cluster):
     """Last in the module: it kills a node of the shared cluster."""
     s = open_storage(redis_cluster.url, "_m_0_1", NB, page_format=FMT)

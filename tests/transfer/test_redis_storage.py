@@ -356,7 +356,10 @@ def test_a_value_the_server_refuses_to_read_is_a_miss_counted_and_logged_with_it
     s.close()
 
 
-def test_exists_counts_only_our_pages_and_set_repairs_foreign_values(redis_url):
+def test_exists_counts_only_our_pages_and_set_repairs_what_is_not_a_page_but_keeps_another_deployments(redis_url):
+    """A value that is not a page is repaired; a page another deployment sealed (another dtype,
+    same name and length) is already there: reported stored, counted ``foreign_kept``, never
+    overwritten (its writer still reads it), and a miss for us."""
     fmt = PageFormat.of("page_first", torch.bfloat16, (2, 16))
     other = RedisStorage(redis_url, "_m_0_1", NB, page_format=PageFormat.of("page_first", torch.float16, (2, 16)))
     s = RedisStorage(redis_url, "_m_0_1", NB, page_format=fmt)
@@ -364,11 +367,15 @@ def test_exists_counts_only_our_pages_and_set_repairs_foreign_values(redis_url):
     c = raw_client(redis_url)
     c.set(B + "_m_0_1", b"x" * (HEADER_NBYTES + NB))  # same length, not a page at all
     assert s.batch_exists([A]) == 0 and s.batch_exists([B]) == 0
-    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]  # True: really ours now
-    assert s.stats().repaired == 2 and s.batch_exists([A, B]) == 2
+    assert s.batch_set([A, B], [page(1), page(2)]) == [True, True]  # A: already there (theirs); B: ours now
+    st = s.stats()
+    assert (st.repaired, st.foreign_kept, st.stored) == (1, 1, 1) and s.batch_exists([B]) == 1
+    assert s.batch_exists([A]) == 0
     out = torch.empty(NB, dtype=torch.uint8)
     assert s.batch_get([B], [out]) == [True] and torch.equal(out, page(2))
-    assert s.batch_set([A], [page(9)]) == [True] and s.stats().skipped == 1  # ours: skipped
+    assert s.batch_get([A], [out]) == [False] and s.stats().foreign == 1
+    assert other.batch_get([A], [out]) == [True] and torch.equal(out, page(4))  # theirs, untouched
+    assert s.batch_set([B], [page(9)]) == [True] and s.stats().skipped == 1  # ours: skipped
     c.close()
     for x in (s, other):
         x.close()

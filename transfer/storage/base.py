@@ -22,7 +22,7 @@ import torch
 
 from transfer.storage.checks import check_batch, check_store  # noqa: F401 (check_batch re-exported)
 from transfer.storage.integrity import (
-    PageFormat, Verdict, check_keys, check_suffix, raw_format, seal, verify,
+    PageFormat, Verdict, check_keys, check_suffix, raw_format, seal, verify, written_by_another,
 )
 from transfer.storage.lru import LruIndex
 
@@ -39,6 +39,12 @@ class StorageStats(msgspec.Struct):
     copied without xattrs, ``checksum=False``): served in the default mode, refused as misses in
     strict mode (``require_checksum=True``); the first one per store logs a warning.
     ``unavailable``: calls refused or failed because the tier was unreachable (circuit breaker).
+    ``foreign_kept``: pages another deployment wrote under one of our page names (its seal names
+    another format or another page: ``integrity.written_by_another``; Mooncake: also K/V objects
+    of other bytes without our seal) that a write, an eviction or a delete found and left alone —
+    never overwritten, repaired or removed. A write reports such a page stored ("already there",
+    as SGLang does: not a failure, not in ``stored`` or ``skipped``); a read of it is a
+    ``foreign`` miss.
     """
 
     pages: int = 0
@@ -55,6 +61,7 @@ class StorageStats(msgspec.Struct):
     wrong_size: int = 0
     unverified: int = 0
     unavailable: int = 0
+    foreign_kept: int = 0
 
 
 class Storage(ABC):
@@ -78,7 +85,9 @@ class Storage(ABC):
 
         Returns:
             Per key, whether the page is stored afterwards (True never means "skipped because
-            the index said so": the backend checked the page is there). Pages are independent: a
+            the index said so": the backend checked the page is there) — ours, or a page another
+            deployment stored first under the same name, which is left alone ("already there",
+            counted ``foreign_kept``; a read of it is a ``foreign`` miss). Pages are independent: a
             failed page does not stop the others (a backend may write them concurrently); each
             failure is counted and logged.
         Raises:
@@ -204,6 +213,21 @@ class IndexedStorage(Storage):
         ``_probe``); None otherwise."""
         return self._probe(name)
 
+    def _stored_seal(self, name: str) -> tuple[int, bytes | None] | None:
+        """(page bytes stored under ``name``, its seal or None) without reading the page, or
+        None when nothing this store could overwrite or remove is there (default: None)."""
+        return None
+
+    def _foreign(self, name: str, fmt: PageFormat | None) -> bool:
+        """Whether the page under ``name`` is provably another deployment's
+        (``integrity.written_by_another``); counted ``foreign_kept`` when it is."""
+        found = self._stored_seal(name)
+        if found is None or not written_by_another(found[1], found[0], name, fmt):
+            return False
+        self._count("foreign_kept")
+        log.debug("storage.foreign_page_kept", store=type(self).__name__, name=name)
+        return True
+
     def _present(self, name: str) -> bool:
         """Whether indexed ``name`` is still stored (a backend whose data can vanish behind the
         index checks; default: True). False drops it from the index."""
@@ -224,7 +248,8 @@ class IndexedStorage(Storage):
         gone = []
         for name in names:
             try:
-                self._remove(name)
+                if not self._foreign(name, self.page_format):  # another deployment's page now: kept
+                    self._remove(name)
                 gone.append(name[:64])
             except OSError as err:
                 self._oplog.warning("storage.evict_failed", name=name, error=str(err))
@@ -248,6 +273,9 @@ class IndexedStorage(Storage):
                     continue
                 with self._lock:
                     self._index.remove(name)
+            if self._foreign(name, self._format(page)):  # another deployment's page: already there
+                results[i] = True
+                continue
             todo.append((i, name, page))
         for (i, name, page), err in zip(todo, self._write_many([(n, p) for _, n, p in todo])):
             if err is not None:
@@ -359,6 +387,8 @@ class IndexedStorage(Storage):
         with self._lock:
             self._index.remove(name)
         try:
+            if self._foreign(name, self.page_format):  # another deployment's page: never ours to delete
+                return False
             removed = self._remove(name)  # also a page another process stored that we never indexed
         except OSError as err:
             self._count("errors")

@@ -10,6 +10,9 @@ crashed writer of this suffix are removed.
 (or, for a temporary file, ``.{64 hex}{suffix}.bin.{32 hex}.tmp``) with exactly this store's suffix.
 Only such files are indexed, evicted, cleaned or deleted: another deployment's file or temp file
 is never touched, whatever its suffix ends with (``_team-ft_Llama_0_1`` is not ``_Llama_0_1``).
+Nor is a file of our exact name whose seal proves another deployment wrote it (another host
+layout, dtype or page name: ``integrity.written_by_another``): it is not indexed at start, not
+replaced by a write (reported stored, counted ``foreign_kept``), not evicted, not deleted.
 
 **Seal.** With ``checksum=True`` (the default) the page's seal (``transfer.storage.integrity``:
 XXH3-128 over name, layout, dtype, shape, size and bytes) is an extended attribute of the file
@@ -40,7 +43,7 @@ from transfer.storage.base import IndexedStorage, StorageStats
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, check_timeout
 from transfer.storage.checks import check_seconds, check_size
 from transfer.storage.writers import InFlight, WriterThreads
-from transfer.storage.integrity import PageFormat, Verdict, check_seal, decode_seal
+from transfer.storage.integrity import PageFormat, Verdict, check_seal, decode_seal, written_by_another
 
 log = get_logger(__name__)
 
@@ -156,7 +159,10 @@ class FileStorage(IndexedStorage):
                 if self.page_nbytes is not None and st.st_size != self.page_nbytes:
                     self._file_oplog.warning("file_storage.ignored_wrong_size", path=entry.path, size=st.st_size)
                     continue
-                found.append((st.st_mtime, entry.name[: -len(".bin")], st.st_size))
+                name = entry.name[: -len(".bin")]
+                if written_by_another(self._xattr(entry.path), st.st_size, name, self.page_format):
+                    continue  # another deployment's page under our name: never indexed, so never evicted
+                found.append((st.st_mtime, name, st.st_size))
         found.sort()
         evicted = []
         for _, name, size in found:
@@ -291,6 +297,19 @@ class FileStorage(IndexedStorage):
             return True
         except FileNotFoundError:
             return False
+
+    @staticmethod
+    def _xattr(path: str) -> bytes | None:
+        """The seal xattr of ``path`` itself (a link is not followed); None: none or unreadable."""
+        try:
+            return os.getxattr(path, XATTR, follow_symlinks=False)
+        except OSError:
+            return None
+
+    def _stored_seal(self, name: str) -> tuple[int, bytes | None] | None:
+        """(size, seal) of the regular file under ``name`` (``stat`` + ``getxattr``, no read)."""
+        size = self._probe(name)
+        return None if size is None else (size, self._xattr(self._path(name)))
 
     def _probe(self, name: str) -> int | None:
         """Size of the regular file under ``name`` (None: none, or a link or other non-file)."""

@@ -225,6 +225,37 @@ def check_seal(sealed: Seal | None, name: str, fmt: PageFormat, nbytes: int) -> 
     return Verdict.OK
 
 
+def written_by_another(seal_bytes, stored_nbytes: int | None, name: str, fmt: PageFormat | None) -> bool:
+    """**The ownership rule** of every tier: whether the seal stored with the page under ``name``
+    proves that another deployment wrote that page — so this store never overwrites, repairs,
+    evicts or deletes it (for this store it is a ``foreign`` miss, counted ``foreign_kept`` where
+    a write, an eviction or a delete left it alone).
+
+    Proof is a seal that decodes, describes the bytes stored (its byte count is
+    ``stored_nbytes``, when known) and names another page or another format: a name fingerprint
+    other than ``name``'s (e.g. another attention-CP rank under Mooncake's shared object names),
+    or — when ``fmt`` is given — another layout, dtype or shape (another host layout, fp8 vs
+    bf16). Nothing else proves anything: no seal (SGLang's pages, ``checksum=False``), a value
+    that is not a seal, a seal whose byte count is not what is stored (torn, truncated), or a
+    seal of our own name and format over another byte count (not a page another deployment can
+    write) — those stay repairable and removable as before.
+
+    Args:
+        seal_bytes: the stored seal (or the first ``SEAL_NBYTES`` of the value); None: none.
+        stored_nbytes: the page bytes stored under ``name`` (None: unknown, not compared).
+        name: the page name this store reads and writes (the name it seals).
+        fmt: this store's page format for that page (None: unknown, only the name is compared).
+    """
+    if seal_bytes is None:
+        return False
+    sealed = decode_seal(bytes(seal_bytes[:SEAL_NBYTES]))
+    if sealed is None or (stored_nbytes is not None and sealed.nbytes != stored_nbytes):
+        return False
+    if sealed.name_fp != name_fingerprint(name):
+        return True
+    return fmt is not None and sealed.format != fmt
+
+
 def verify(seal_bytes, name: str, fmt: PageFormat, data) -> Verdict:
     """Whether ``data`` is exactly the page ``name`` of format ``fmt`` that ``seal_bytes`` sealed."""
     view = memoryview(data).cast("B")

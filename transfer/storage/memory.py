@@ -37,5 +37,9 @@ class MemoryStorage(IndexedStorage):
         dst.copy_(data)
         return True, seal_bytes
 
+    def _stored_seal(self, name: str) -> tuple[int, bytes | None] | None:
+        data, seal_bytes = self._data.get(name, (None, None))
+        return None if data is None else (data.numel(), seal_bytes)
+
     def _remove(self, name: str) -> bool:
         return self._data.pop(name, None) is not None

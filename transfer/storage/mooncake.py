@@ -183,8 +183,10 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
         """See ``Storage.batch_set``. Pages whose objects (and, when sealing, seal) all exist are
         skipped (first writer wins, as in SGLang). A page whose K/V exist without its seal (the
         seal evicted) gets the seal back when the K/V bytes are this page's, else it is someone
-        else's page and stays untouched (False, ``foreign``): ``mooncake_owned``. Raises
-        ``StorageUnavailable`` when the master is away (nothing written)."""
+        else's page and stays untouched — already there (True, ``foreign_kept``, no warning); so
+        does a page whose seal proves another deployment wrote it and whose K or V is gone
+        (``mooncake_owned``). Raises ``StorageUnavailable`` when the master is away (nothing
+        written)."""
         self._check(keys, pages)
         results = [False] * len(keys)
         if not keys:
@@ -208,6 +210,13 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
             else:
                 results[i] = True
         self._count(skipped=len(keys) - len(todo) - len(reseal))
+        partial = [i for i in todo if sealed and codes[i * step + kinds] == 1]  # a seal, a K/V object missing
+        if partial:  # another deployment's page (its seal says so) is never added to: already there
+            theirs = {i for i, t in zip(partial, self._sealed_by_another(
+                store, [keys[i] for i in partial], [self._format(pages[i]) for i in partial])) if t}
+            for i in theirs:
+                results[i] = True
+            todo = [i for i in todo if i not in theirs]
         if reseal:
             for i, ok in zip(reseal, self._reseal(store, keys, pages, reseal)):
                 results[i] = ok
@@ -391,10 +400,14 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
 
     @tracked
     def delete(self, key: str) -> bool:
-        """See ``Storage.delete``: removes the page's objects and seal (even under a read lease).
-        Raises ``StorageUnavailable`` when the master is away."""
+        """See ``Storage.delete``: removes the page's objects and seal (even under a read lease),
+        unless the seal proves another deployment wrote the page (``integrity.written_by_another``):
+        then nothing is removed (False, counted ``foreign_kept``). Raises ``StorageUnavailable``
+        when the master is away."""
         check_keys([key])
         store = self._require("delete")
+        if self.settings.seal and self._sealed_by_another(store, [key], [self.page_format])[0]:
+            return False
         names = self.naming.objects(key)
         codes = [store.remove(name, True) for name in names]
         store.remove(self.naming.seal_object(key), True)

@@ -14,9 +14,12 @@ length is zeroed, and a connection that failed mid-reply is dropped, never reuse
 A page and its seal are one value written by one ``SET ... NX`` (atomic on the server), so a
 reader sees either no page or the whole page with its seal. ``NX`` gives the other backends'
 skip-existing semantics across every node: the first write wins — but a skipped key is checked
-(its seal, one ``GETRANGE``): a value that is not exactly our page (another format, another name,
-not a page) is overwritten (counted ``repaired``), so ``True`` from ``batch_set`` always means
-our page is on the server. Reads verify the seal; a page that does not verify is a miss, counted
+(its seal, one ``GETRANGE``): a page another deployment sealed (another format or another name:
+``integrity.written_by_another``) is left alone and reported stored ("already there", counted
+``foreign_kept``); any other value that is not exactly our page (not a page, no seal, a torn one)
+is overwritten (counted ``repaired``). Evictions and deletes read the seal first and remove a key
+only if it is not another deployment's page and is unchanged since (one Lua compare-and-delete).
+Reads verify the seal; a page that does not verify is a miss, counted
 (``corrupt`` / ``foreign`` / ``wrong_size``) and logged, and a corrupt value is deleted so a
 later write can repair it. ``batch_exists`` counts a key only if its seal matches (name, format,
 size) and the value has the sealed length.
@@ -56,6 +59,7 @@ from transfer.storage.checks import check_batch, check_seconds, check_size, chec
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import (
     SEAL_NBYTES, PageFormat, Verdict, check_keys, check_seal, check_suffix, decode_seal, raw_format, seal,
+    written_by_another,
 )
 from transfer.storage.lru import LruIndex
 from transfer.storage.redis_conn import _client_from_url, check_url, redact  # noqa: F401 (re-exported)
@@ -67,10 +71,14 @@ log = get_logger(__name__)
 
 HEADER_NBYTES = SEAL_NBYTES  # the seal in front of every value (104 bytes)
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# delete KEYS[1] only if its first SEAL_NBYTES bytes are still ARGV[1] (what the ownership check saw)
+_DELETE_IF_SAME = ("if redis.call('GETRANGE', KEYS[1], 0, %d) == ARGV[1] then "
+                   "return redis.call('DEL', KEYS[1]) end return 0" % (SEAL_NBYTES - 1))
 
 
 class RedisStorageStats(StorageStats):
-    """``StorageStats`` plus ``repaired``: skipped keys whose value was not our page, overwritten."""
+    """``StorageStats`` plus ``repaired``: skipped keys whose value was not our page nor another
+    deployment's sealed page (not a page, no seal, torn), overwritten."""
 
     repaired: int = 0
 
@@ -219,11 +227,33 @@ class RedisStorage(RedisReads, Storage):
         if start < n:
             yield range(start, n)
 
+    def _remove_ours(self, names: list[str], what: str) -> list:
+        """Delete each of ``names`` unless its value is another deployment's page
+        (``integrity.written_by_another``: counted ``foreign_kept``, left alone). Per name: the
+        server's count (0: absent, or changed since the check), its error, or None (kept)."""
+        heads = self._run(lambda p: [(p.getrange(x, 0, SEAL_NBYTES - 1), p.strlen(x)) for x in names], what)
+        out, todo, cut = [None] * len(names), [], len(self.key_prefix)
+        for k, name in enumerate(names):
+            head, length = heads[2 * k], heads[2 * k + 1]
+            if (not isinstance(head, Exception) and not isinstance(length, Exception)
+                    and written_by_another(head, length - SEAL_NBYTES, name[cut:], self.page_format)):
+                self._count("foreign_kept")
+                log.debug("storage.foreign_page_kept", store=type(self).__name__, name=name, op=what)
+            else:
+                todo.append(k)
+        if todo:  # a value the check could not read (not a string) is not a page: deleted as it is
+            replies = self._run(lambda p: [p.delete(names[k]) if isinstance(heads[2 * k], Exception)
+                                           else p.execute_command("EVAL", _DELETE_IF_SAME, 1, names[k], heads[2 * k])
+                                           for k in todo], what)
+            for k, reply in zip(todo, replies):
+                out[k] = reply
+        return out
+
     def _evict(self, names: list[str]) -> None:
         if not names:
             return
         try:
-            self._run(lambda p: p.delete(*names), "evict")
+            self._remove_ours(names, "evict")
         except StorageUnavailable as err:
             self._oplog.warning("redis_storage.evict_failed", names=len(names), error=str(err))
         else:
@@ -269,6 +299,10 @@ class RedisStorage(RedisReads, Storage):
             if self._seal_ok(name[len(self.key_prefix):], head, length, self._format(page),
                              len(values[k]) - SEAL_NBYTES):
                 replies[where[k]] = "skipped"
+            elif (not isinstance(head, Exception) and not isinstance(length, Exception)
+                  and written_by_another(head, length - SEAL_NBYTES, name[len(self.key_prefix):], self._format(page))):
+                replies[where[k]] = "foreign"  # another deployment's page: already there, left alone
+                log.debug("storage.foreign_page_kept", store=type(self).__name__, name=name, op="set")
             else:
                 bad.append(k)
         if not bad:
@@ -295,6 +329,12 @@ class RedisStorage(RedisReads, Storage):
                 self._count("errors")
                 self._oplog.error("redis_storage.write_failed", name=name, error=str(reply))
                 return False
+            if reply == "foreign":  # not ours: not indexed (never evicted by us), not announced
+                with self._lock:
+                    self._stats.foreign_kept += 1
+                    self._index.remove(name)
+                results[i] = True
+                continue
             with self._lock:
                 if reply == "skipped":
                     self._stats.skipped += 1
@@ -331,10 +371,15 @@ class RedisStorage(RedisReads, Storage):
 
     def delete(self, key: str) -> bool:
         """See ``Storage.delete``: whether the server removed it (False when it refused, e.g. a
-        read-only replica: counted in ``errors`` and logged). Raises ``StorageUnavailable``."""
+        read-only replica: counted in ``errors`` and logged; or when the value is another
+        deployment's page: counted ``foreign_kept``, left alone). Raises ``StorageUnavailable``."""
         check_keys([key])
         name = self._name(key)
-        (count,) = self._run(lambda p: p.delete(name), "delete")
+        (count,) = self._remove_ours([name], "delete")
+        if count is None:  # another deployment's page: never ours to delete
+            with self._lock:
+                self._index.remove(name)
+            return False
         if isinstance(count, Exception):
             self._count("errors")
             self._oplog.error("redis_storage.delete_failed", name=name, error=str(count))
