@@ -62,8 +62,8 @@ def progress(mgr) -> None:
         unknown += [("op", o) for o in stored if o not in mgr._storage_ops]
         for kind, i in unknown:
             (landed if kind == "ack" else stored).discard(i)
-    if mgr.tp_group is None:
-        acks, ops = list(landed), list(stored)
+    if mgr.tp_group is None:  # landings in issue order: a chain's chunks reach storage (and KV events) in order
+        acks, ops = [a for a in mgr._ongoing if a in landed], list(stored)
     else:
         acks, ops = done_prefix(mgr._ongoing, landed), done_prefix(mgr._storage_ops, stored)
         n_writes, n_stored = agree(mgr, len(acks), len(ops))

@@ -1,6 +1,8 @@
 """A KV-event subscriber written from the wire format (SGLang 0.5.19 ``kv_events.py``), not from our
 structs: a real ZMQ SUB socket, frames ``(topic, seq 8-byte big-endian, msgpack payload)``, payloads
-decoded as plain msgpack arrays, gaps filled from the replay ROUTER, the run's end at ``seq == -1``.
+decoded as plain msgpack arrays, gaps filled from the replay ROUTER. ``seq == -1`` ends a replay
+answer and nothing else: on the PUB socket it is an error (SGLang's subscriber fails to decode it).
+A run's end is known out of band (``receive_until`` the publisher's batch count).
 """
 
 from __future__ import annotations
@@ -24,33 +26,33 @@ class Subscriber:
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.replay_endpoint, self.topic = replay, topic
         self.batches: dict[int, list] = {}   # seq -> decoded KVEventBatch array
-        self.ended = False
 
-    def receive_until_end(self, timeout_s: float = 60.0) -> None:
-        """Receive until the end marker (raises TimeoutError after ``timeout_s`` without it). With a
-        replay endpoint, a gap in the sequence numbers is replayed as soon as it is seen, while the
-        publisher still runs."""
+    def receive_until(self, batches: int, timeout_s: float = 60.0) -> None:
+        """Receive until every batch below ``batches`` (the publisher's ``stats().batches``) is
+        here (raises TimeoutError after ``timeout_s`` without them). With a replay endpoint, a gap
+        in the sequence numbers is replayed as soon as it is seen, while the publisher still runs."""
         deadline = time.monotonic() + timeout_s
-        while not self.ended:
+        while any(s not in self.batches for s in range(batches)):
             left = deadline - time.monotonic()
             if left <= 0 or not self.sub.poll(int(left * 1000)):
-                raise TimeoutError(f"no end marker within {timeout_s}s ({len(self.batches)} batches)")
+                raise TimeoutError(f"{len(self.batches)} of {batches} batches within {timeout_s}s")
             self._receive_one()
 
     def pump(self) -> None:
         """Receive what has arrived (filling gaps from the replay socket); never waits for more."""
-        while not self.ended and self.sub.poll(0):
+        while self.sub.poll(0):
             self._receive_one()
+
+    def pump_while(self, running, poll_ms: int = 50) -> None:
+        """Receive until ``running()`` is false (a publisher's process still running)."""
+        while running():
+            if self.sub.poll(poll_ms):
+                self._receive_one()
 
     def _receive_one(self) -> None:
         topic, seq, payload = self.sub.recv_multipart()
         assert topic == self.topic and len(seq) == 8
-        if seq == END:
-            assert payload == b""
-            self.ended = True
-            if self.replay_endpoint is not None and (self.missing() or not self.batches):
-                self.fill_from_replay(min(self.missing(), default=0))   # the publisher lingers for it
-            return
+        assert seq != END, "seq -1 on the PUB socket (SGLang sends it only on the replay socket)"
         self.batches[int.from_bytes(seq, "big")] = msgspec.msgpack.decode(payload)
         if self.replay_endpoint is not None and self.missing():
             self.fill_from_replay(min(self.missing()))   # a gap (a late join): replay it now

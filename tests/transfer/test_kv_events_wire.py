@@ -1,61 +1,20 @@
-"""The KV-event wire format against SGLang 0.5.19's own definitions, copied verbatim below from
-``sglang/srt/disaggregation/kv_events.py`` (the structs) and ``sglang/srt/mem_cache/utils.py``
-(``hash_str_to_int64``), so CI checks compatibility without installing SGLang."""
+"""The KV-event wire format against SGLang 0.5.19's own definitions: its structs and its
+subscriber, copied verbatim in ``tests/data/sglang_0_5_19_kv_events.py`` (from
+``sglang/srt/disaggregation/kv_events.py`` and ``sglang/srt/mem_cache/storage/umbp/umbp_store.py``),
+and ``hash_str_to_int64`` (``sglang/srt/mem_cache/utils.py``, in ``tests/support/kv_subscriber.py``),
+so CI checks compatibility without installing SGLang."""
 
 from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any, Optional, Union
 
 import msgspec
 import pytest
 
+from tests.data.sglang_0_5_19_kv_events import BlockRemoved, BlockStored, KVEventBatch
 from tests.support.kv_subscriber import int64_id
 from transfer.kv_events import wire
-
-
-# ---- SGLang 0.5.19, verbatim -------------------------------------------------------------------
-class EventBatch(
-    msgspec.Struct,
-    array_like=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
-):
-    ts: float
-    events: list[Any]
-    attn_dp_rank: Optional[int] = None
-
-
-class KVCacheEvent(
-    msgspec.Struct,
-    array_like=True,  # type: ignore[call-arg]
-    gc=False,  # type: ignore[call-arg]
-    tag=True,
-):
-    """Base class for all KV cache-related events"""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str] = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: Optional[str] = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
-# ------------------------------------------------------------------------------------------------
 
 
 def _hash(i: int) -> str:
@@ -117,3 +76,24 @@ def test_a_malformed_payload_is_a_decode_error():
         wire.decode_batch(b"\xc1not msgpack")
     with pytest.raises(msgspec.ValidationError):
         wire.decode_batch(msgspec.msgpack.encode([1.0, [["NoSuchEvent"]], None]))
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 65535, 65536])     # msgpack array header sizes
+@pytest.mark.parametrize("rank", [None, 0, 3, 70000])
+def test_a_batch_joined_from_encoded_events_is_the_batch_encoded_whole(n, rank):
+    """The publisher encodes each event on the producer's thread and joins them into a batch on its
+    own: the bytes are those of the whole batch encoded at once, and SGLang's structs decode them."""
+    kinds = _ours().events
+    evs = [kinds[i % len(kinds)] for i in range(n)]
+    joined = wire.join_batch(7.25, [wire.encode_event(e) for e in evs], rank)
+    assert joined == wire.encode_batch(wire.KVEventBatch(7.25, evs, rank))
+    got = msgspec.msgpack.decode(joined, type=KVEventBatch)
+    assert got.ts == 7.25 and got.attn_dp_rank == rank and len(got.events) == n
+
+
+def test_the_end_marker_is_no_batch():
+    """``END_SEQ`` closes a replay answer; its empty payload is no ``KVEventBatch`` (SGLang's subscriber
+    logs an error for it), so it never goes on the PUB socket (``test_kv_events_publisher``)."""
+    assert wire.END_SEQ == (-1).to_bytes(8, "big", signed=True)
+    with pytest.raises(msgspec.DecodeError, match="truncated"):
+        msgspec.msgpack.decode(b"", type=KVEventBatch)

@@ -12,8 +12,8 @@ declaration order) and events are tagged with their class name as the array's fi
     AllBlocksCleared = ["AllBlocksCleared"]
 
 A page's id in ``block_hashes`` is ``hash_str_to_int64`` of its page hash: the id SGLang's own
-events give the same page. ``END_SEQ`` (sequence -1, empty payload) is the end-of-stream marker of
-SGLang's replay socket; our publisher also sends it on the PUB socket when it closes.
+events give the same page. ``END_SEQ`` (sequence -1, empty payload) closes an answer of the
+replay socket, and only there (as SGLang's publisher sends it): a PUB message is always a batch.
 """
 
 from __future__ import annotations
@@ -91,6 +91,24 @@ _DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 def encode_batch(batch: KVEventBatch) -> bytes:
     """The msgpack payload of ``batch``."""
     return _ENCODER.encode(batch)
+
+
+def encode_event(event: Union[BlockStored, BlockRemoved, AllBlocksCleared]) -> bytes:
+    """One event's msgpack bytes, as they appear inside a batch (``join_batch``)."""
+    return _ENCODER.encode(event)
+
+
+def join_batch(ts: float, events: list[bytes], attn_dp_rank: Optional[int]) -> bytes:
+    """The payload of a batch of events already encoded by ``encode_event``: the bytes
+    ``encode_batch`` gives the decoded events (the events are copied, not re-encoded)."""
+    n = len(events)
+    if n < 16:
+        head = bytes((0x90 | n,))                       # fixarray
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")            # array 16
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")            # array 32
+    return b"".join((b"\x93", _ENCODER.encode(float(ts)), head, b"".join(events), _ENCODER.encode(attn_dp_rank)))
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
