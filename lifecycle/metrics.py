@@ -82,6 +82,9 @@ class Metrics:
                                    "found)", ("tier", "op"))
         self.pages_refused = counter("storage_pages_refused", "Stored pages refused on read, by reason "
                                      "(corrupt, foreign, wrong_size)", ("tier", "reason"))
+        self.pages_foreign_kept = counter("storage_pages_foreign_kept", "Pages another deployment wrote under "
+                                          "one of our page names (its seal names another layout, format or "
+                                          "page), left alone by a write, an eviction or a delete", ("tier",))
         self.pages_unverified = counter("storage_pages_unverified", "Stored pages read without a seal "
                                         "(served unless strict)", ("tier",))
         self.prefix_lookups = counter("prefix_lookups", "Prefix existence checks")
@@ -104,14 +107,15 @@ class Metrics:
                                          "get: a prefix read)", _COPY_BUCKETS, ("tier", "op"))
         self.step_time = histogram("manager_step_seconds", "Manager time in one scheduler step (its calls summed)",
                                    _STEP_BUCKETS)
-        self._seen: dict = {}  # (source, metric id, labels) -> last counter value
+        self._seen: dict = {}  # (source, metric id, constant labels' values, labels) -> last counter value
         self._source, self._cur = None, const
         self._lock = threading.Lock()
 
     # -- counters and gauges from the stats -----------------------------------------------------
     def update(self, stats: NodeStats, source: object = None, labels: dict[str, str] | None = None) -> None:
         """Set every counter and gauge from ``stats`` (counters advance by the difference since
-        the previous update of the same ``source``; one that went backwards is left where it is).
+        the previous update of the same ``source`` with the same constant labels' values; one that
+        went backwards is left where it is).
 
         Args:
             stats: the node's numbers now.
@@ -161,6 +165,7 @@ class Metrics:
             for reason in ("corrupt", "foreign", "wrong_size"):
                 self._count(self.pages_refused, getattr(st, reason), tier=t.tier, reason=reason)
             self._count(self.pages_unverified, st.unverified, tier=t.tier)
+            self._count(self.pages_foreign_kept, st.foreign_kept, tier=t.tier)
             self._set(self.tier_pages, st.pages, tier=t.tier)
             if t.breaker is not None:
                 for state in BREAKER_STATES:
@@ -181,7 +186,9 @@ class Metrics:
         return metric.labels(**const, **labels) if (const or labels) else metric
 
     def _count(self, metric, value: int, **labels) -> None:
-        key = (self._source, id(metric), tuple(labels.items()))
+        # one baseline per source and per label set: the constant labels' values are part of it,
+        # so one source updated under tp_rank 0 and then 1 counts each rank from its own zero
+        key = (self._source, id(metric), tuple(self._cur.items()), tuple(labels.items()))
         child = self._labels(metric, labels)  # created at 0 even before anything happened
         last = self._seen.get(key, 0)
         if value > last:

@@ -181,3 +181,25 @@ def host(value, flag: str) -> str:
 
 
 host.kind = "ADDR"
+
+
+def push_url(value, flag: str):
+    """A Pushgateway's address, ``http(s)://HOST[:PORT][/PATH]`` (no query, fragment or
+    credentials), or None."""
+    if value is None:
+        return None
+    from urllib.parse import urlsplit
+
+    v = text(value, flag)
+    try:
+        u = urlsplit(v)
+        port = u.port   # raises ValueError for a port out of range or not a number
+    except ValueError as err:
+        raise ConfigProblem(f"{flag} {value!r}: {err}") from None
+    if (u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment or "@" in u.netloc
+            or any(c.isspace() for c in v) or port == 0):
+        raise ConfigProblem(f"{flag} needs a Pushgateway address such as http://127.0.0.1:9091, got {value!r}")
+    return v
+
+
+push_url.kind = "URL"

@@ -274,6 +274,7 @@ def _expected(s: NodeStats, lab=TP0) -> dict:
         for reason in ("corrupt", "foreign", "wrong_size"):
             out[key("kv_lifecycle_storage_pages_refused_total", tier=t.tier, reason=reason)] = getattr(st, reason)
         out[key("kv_lifecycle_storage_pages_unverified_total", tier=t.tier)] = st.unverified
+        out[key("kv_lifecycle_storage_pages_foreign_kept_total", tier=t.tier)] = st.foreign_kept
         out[key("kv_lifecycle_storage_pages_held", tier=t.tier)] = st.pages
         if t.breaker is not None:
             for state in ("closed", "open", "half_open"):
@@ -293,7 +294,7 @@ def test_every_documented_metric_is_served_as_documented_and_nothing_else(tmp_pa
     type, its HELP word for word and its labels (plus the constant ones), the closed label value sets
     exactly, and no metric the table does not list."""
     doc = _documented()
-    assert len(doc) == 24
+    assert len(doc) == 25
     stack = _stack(f"file:{tmp_path}")
     reg = CollectorRegistry()
     metrics = Metrics(reg, labels={"tp_rank": "0"})
@@ -421,6 +422,28 @@ def test_the_constant_labels_values_per_update_step_and_observer():
     step = {float(s.labels["le"]): s.value for s in _served(reg)["kv_lifecycle_manager_step_seconds"].samples
             if s.name.endswith("_bucket") and s.labels["tp_rank"] == "2"}
     assert step == {le: float(le >= 5e-5) for le in step}
+
+
+def test_counters_are_tracked_per_label_set():
+    """One source updated under ``tp_rank`` 0 and then 1 (an embedder whose rank label changes
+    per call): each label set counts from its own zero and advances from its own last value."""
+    reg = CollectorRegistry()
+    metrics = Metrics(reg, labels={"tp_rank": ""})
+
+    def rank(r):
+        return {k: v for k, v in _counters_and_gauges(reg).items() if ("tp_rank", r) in k[1]}
+
+    metrics.update(_numbered(), labels={"tp_rank": "0"})
+    metrics.update(_numbered(), labels={"tp_rank": "1"})
+    assert reg.get_sample_value("kv_lifecycle_requests_total", {"tp_rank": "1", "outcome": "released"}) == 5
+    assert rank("0") == _expected(_numbered(), (("tp_rank", "0"),))
+    assert rank("1") == _expected(_numbered(), (("tp_rank", "1"),))
+    metrics.update(_numbered(3), labels={"tp_rank": "1"})
+    metrics.update(_numbered(2), labels={"tp_rank": "0"})
+    assert rank("0") == _expected(_numbered(2), (("tp_rank", "0"),))
+    assert rank("1") == _expected(_numbered(3), (("tp_rank", "1"),))
+    metrics.update(_numbered(), source="other", labels={"tp_rank": "0"})   # another source adds up
+    assert reg.get_sample_value("kv_lifecycle_requests_total", {"tp_rank": "0", "outcome": "released"}) == 15
 
 
 def test_labels_not_among_the_constant_ones_are_refused():
