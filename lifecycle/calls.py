@@ -94,7 +94,8 @@ class CallGate:
 
 
 def shutdown(mgr, force: bool, timeout_s: float):
-    """``DecodeOffloadManager.shutdown``: refuse or abandon what is pending, close in bounded time.
+    """``DecodeOffloadManager.shutdown``: refuse or abandon what is pending, close in bounded time:
+    ``timeout_s`` bounds the whole call (the drain, then the offloader's close with what is left).
     The arguments are checked first: a bad one raises ``InvalidArgument`` with the manager open and
     the offloader untouched, so a corrected call works."""
     if not isinstance(force, bool):
@@ -103,6 +104,9 @@ def shutdown(mgr, force: bool, timeout_s: float):
             or not 0 <= timeout_s < math.inf):
         raise InvalidArgument(
             f"shutdown: timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}; nothing was closed")
+    # one bound for the whole call: the drain and the offloader's close share it (the close gets
+    # what the drain left, not the bound again)
+    deadline = time.monotonic() + timeout_s
     if mgr._gate == CLOSED:
         return integrity.pending(mgr)
     if force and mgr._gate is None:
@@ -131,7 +135,7 @@ def shutdown(mgr, force: bool, timeout_s: float):
     if callable(close):
         params = inspect.signature(close).parameters
         name = next((n for n in ("timeout", "timeout_s") if n in params), None)
-        report = close(**{name: timeout_s}) if name else close()
+        report = close(**{name: max(0.0, deadline - time.monotonic())}) if name else close()
         if getattr(report, "clean", True) is False:
             mgr._log.error(audit.ABANDONED, pending=str(report))
     return pending

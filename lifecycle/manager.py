@@ -25,7 +25,7 @@ from lifecycle.machine import EVENTS
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release, slot_end
 from lifecycle.slots import SlotsInFlight
-from lifecycle.requests import check_shape, initial_progress, plan_chunk, read_request
+from lifecycle.requests import check_shape, initial_progress, namespace_of, plan_chunk, read_request
 from lifecycle.states import Facts, Refusal, State, decide
 
 _PREFILLED, _INFLIGHT, _FINISHED = State.PREFILLED, State.INFLIGHT, State.FINISHED
@@ -47,8 +47,10 @@ class DecodeOffloadManager(CallGate):
         page_size: tokens per page (the hash chain's page).
         offloader: a ``transfer.Offloader``, used by this manager only.
         offload_stride: tokens per chunk; None means ``page_size``, else a positive page multiple.
-        namespace_seed: optional prior hash of every request's first page: exactly 64 hex
-            characters (case-insensitive; kept lowercase).
+        namespace_seed: optional prior hash of the first page of every request that names no
+            namespace of its own: exactly 64 hex characters (case-insensitive; kept lowercase). A
+            request's ``extra_key`` / ``cache_salt`` seed its chain as SGLang 0.5.23 does
+            (``namespace_of``); one naming another namespace than this seed is refused.
         tp_group: optional ``torch.distributed`` group; ranks agree on completion counts.
         clock: time source for latencies in the audit log.
         release_sink: executes releases (``lifecycle.release.ReleaseSink``); default
@@ -293,6 +295,20 @@ class DecodeOffloadManager(CallGate):
                 n += 1
         return n
 
+    def namespace_of(self, req) -> str | None:
+        """The namespace seed this manager names ``req``'s pages under (the prior of its chain's
+        first page; None: none), from ``req.extra_key`` / ``req.cache_salt`` and the manager's
+        ``namespace_seed`` (rules: ``lifecycle.requests.namespace_of``). A scheduler looks up and
+        loads a request's stored prefix under this seed (``PrefixLoader.start(..., prior_hash=)``),
+        so it finds only pages of its own namespace. Reads only; the manager reads the same once,
+        when it first sees the request.
+
+        Raises:
+            InvalidRequest: a namespace field that is not a str (or None), or not UTF-8 encodable, or
+                a namespace other than the manager's ``namespace_seed``.
+        """
+        return namespace_of(self, req)
+
     def progress_of(self, req) -> OffloadedState | None:
         """A copy of the request's offload progress (``inc_len``, ``last_hash``), or None."""
         rec = table.lookup(self, req)
@@ -344,7 +360,9 @@ class DecodeOffloadManager(CallGate):
         integrity.check_integrity(self)
 
     def shutdown(self, force: bool = False, timeout_s: float = 5.0) -> integrity.Pending:
-        """Stop accepting calls and release the offloader's resources, in bounded time.
+        """Stop accepting calls and release the offloader's resources, in bounded time: the whole
+        call returns within about ``timeout_s`` (one deadline, set on entry, for the drain and the
+        offloader's close together).
 
         Completions already reported are collected first (not settled), so the refusal says what
         is really pending. With ``force``, accepted work is drained first, for at most
@@ -356,8 +374,8 @@ class DecodeOffloadManager(CallGate):
 
         Args:
             force: shut down even with work pending (after draining it for up to ``timeout_s``).
-            timeout_s: the drain's bound, and the bound passed to the offloader's ``close`` when it
-                takes one (default 5 s).
+            timeout_s: the bound of the whole call (default 5 s): the drain runs until it, and the
+                offloader's ``close``, when it takes a timeout, gets what is left of it.
         Returns:
             What was pending when the manager closed.
         Raises:

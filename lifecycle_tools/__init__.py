@@ -4,9 +4,10 @@ replay, the timeline picture and diagram generation, plus the test kit (``lifecy
 Kept apart from the library: ``lifecycle``, ``transfer`` and ``hashing`` never import this package.
 
 When this process *is* the command (the ``kv-lifecycle`` console script, or ``python -m
-lifecycle_tools``), a Ctrl-C from the first line of this package on is recorded, not raised: the
-command's own handler (``lifecycle_tools.interrupt``) takes it over in ``cli.main`` and exits 130
-(no traceback). Imported by anything else (tests, a notebook), SIGINT is left alone.
+lifecycle_tools``), a Ctrl-C from the first line of this package on ends it at once with exit 130 and
+one line on stderr (no traceback): nothing has started that needs stopping. ``cli.main`` takes SIGINT
+over with the same policy until the command begins its work (``lifecycle_tools.interrupt``). Imported
+by anything else (tests, a notebook), SIGINT is left alone.
 """
 
 import signal as _signal
@@ -21,11 +22,18 @@ def _is_the_command() -> bool:
     return "-m" in orig[:-1] and orig[orig.index("-m") + 1] == "lifecycle_tools"
 
 
-EARLY_SIGINT: list = []
-"""SIGINTs received before ``cli.main`` installed the command's handler (this process is the command)."""
+def _interrupted_while_starting(signum, frame):  # noqa: ARG001 - signal handler signature
+    import os
+
+    try:
+        _sys.stderr.write("kv-lifecycle: interrupted\n")
+        _sys.stderr.flush()
+    finally:
+        os._exit(130)
+
 
 if _is_the_command():
     try:
-        _signal.signal(_signal.SIGINT, lambda signum, frame: EARLY_SIGINT.append(signum))
+        _signal.signal(_signal.SIGINT, _interrupted_while_starting)
     except ValueError:  # not the main thread: nothing to take over
         pass

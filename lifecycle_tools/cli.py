@@ -154,15 +154,21 @@ def cmd_diagrams(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kv-lifecycle`` console script and ``python -m lifecycle_tools``."""
-    import lifecycle_tools
+    """Entry point of the ``kv-lifecycle`` console script and ``python -m lifecycle_tools``.
+
+    With no ``argv`` the process is the command: ``main`` does not return but ends the process
+    (``INTERRUPTS.finish``), so a Ctrl-C at any point from here on exits 130 with one line, never a
+    traceback or a death by the signal during the interpreter's finalization. With ``argv`` it
+    returns the exit code (130 after Ctrl-C).
+    """
     from lifecycle_tools.interrupt import EXIT_INTERRUPTED, INTERRUPTS
 
-    INTERRUPTS.install()  # before any work: parsing and imports can take a noticeable fraction of a second
-    if lifecycle_tools.EARLY_SIGINT:  # Ctrl-C while the command was starting (see lifecycle_tools)
-        INTERRUPTS.pressed()
+    ours = argv is None
+    # before any work: parsing and imports take a noticeable fraction of a second, and until the
+    # command begins its work (INTERRUPTS.begin_work) a Ctrl-C ends the process at once
+    INTERRUPTS.install(at_once=ours)
+    args = None
     try:
-        INTERRUPTS.check()
         args = build_parser().parse_args(argv)
         if args.command == "simulate":
             from lifecycle_tools.simulate_cmd import cmd_simulate as handler
@@ -170,23 +176,27 @@ def main(argv: list[str] | None = None) -> int:
             handler = {"audit": cmd_audit, "diagrams": cmd_diagrams}[args.command]
         INTERRUPTS.check()
         rc = handler(args)
-        if argv is None and getattr(args, "left_behind", False):
-            # storage calls abandoned at a bounded close (a hung or dead tier) may still be running
-            # in a client library's native threads; the interpreter's finalization would tear their
-            # objects down under them (a C++ client then aborts the process). The report is written:
-            # end here, after flushing, with the run's own exit code.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(rc)
-        return rc
     except KeyboardInterrupt:
         sys.stderr.write(f"{PROG}: interrupted\n")
-        if argv is None:   # the process is ours: exit now, before finalization restores SIGINT's default
+        if ours:   # the process is ours: exit now, before finalization restores SIGINT's default
             INTERRUPTS.exit_now(quiet=True)
         return EXIT_INTERRUPTED
+    except SystemExit as end:   # argparse: --help (0) or a bad flag (2, its line written)
+        if not ours:
+            raise
+        rc = end.code if isinstance(end.code, int) else 0 if end.code is None else 1
+        if not isinstance(end.code, (int, type(None))):
+            sys.stderr.write(f"{end.code}\n")
     finally:
-        if not INTERRUPTS.requested():   # after Ctrl-C the handler stays: another one exits at once
+        if not ours and not INTERRUPTS.requested():   # after Ctrl-C the handler stays: another one exits at once
             INTERRUPTS.uninstall()
+    if not ours:
+        return rc
+    # Storage calls abandoned at a bounded close (a hung or dead tier) may still be running in a
+    # client library's native threads; Python's finalization (and an atexit hook of that library)
+    # would tear their objects down under them (a C++ client then aborts the process). The result is
+    # written: end here, with the run's own exit code, and leave the interpreter's teardown out.
+    INTERRUPTS.finish(rc, run_atexit=not getattr(args, "left_behind", False))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -99,14 +99,22 @@ def cmd_simulate(args) -> int:
         except OSError as err:
             return fail(f"--audit {args.audit!r}: {err.strerror or err}")
     try:
-        report = _run(cfg, width, args, audit_file)
+        report, telemetry = _run(cfg, width, args, audit_file)
     except ConfigProblem as err:
         return fail(str(err))
     finally:
         if audit_file is not None:
             audit_file.close()
     args.left_behind = bool(report.shutdown)   # work abandoned at a bounded close: see cli.main
-    return _print(report, cfg, args)
+    try:
+        rc = _print(report, cfg, args)
+        problem = telemetry.push()            # --metrics-push: the final values, once
+        if problem:
+            rc = fail(problem)
+        telemetry.linger()                    # --metrics-linger: /metrics still served
+    finally:
+        telemetry.close()
+    return rc
 
 
 def _run(cfg, width: int, args, audit_file):
@@ -118,6 +126,7 @@ def _run(cfg, width: int, args, audit_file):
 
     if audit_file is not None:
         INTERRUPTS.before_exit(audit_file.flush)
+    INTERRUPTS.begin_work()         # from here a Ctrl-C stops the run at a safe point (bounded)
     configure_logging(audit_file)   # before the manager exists: loggers bind config at bind time
     timer = EnqueueTimer()
     stack, mgr = build(cfg, width, timer)
@@ -130,12 +139,15 @@ def _run(cfg, width: int, args, audit_file):
     bar = ProgressBar(sys.stderr) if show else None
     try:
         report = run(cfg, stack, mgr, progress=bar, enqueue_timer=timer, freeze_gc=True, telemetry=telemetry)
+    except BaseException:
+        telemetry.close()
+        raise
     finally:
         if bar is not None:
             bar.close()
-        telemetry.close()
+    telemetry.close_events()
     report.kv_events = telemetry.events_stats()
-    return report
+    return report, telemetry   # the metrics server still answers: closed by the caller
 
 
 def _print(report, cfg, args) -> int:

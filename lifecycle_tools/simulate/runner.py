@@ -65,7 +65,8 @@ def _one_line(err: BaseException) -> str:
 def run(cfg, stack, mgr, progress=None, enqueue_timer=None, freeze_gc: bool = False, telemetry=None) -> RunReport:
     """Serve the workload (twice with ``cfg.warm``: the second pass under new request ids hits the
     store), then shut the manager and stack down (bounded). ``telemetry`` (a started
-    ``telemetry.Telemetry``) sees every step and gets the final ``NodeStats``.
+    ``telemetry.Telemetry``) sees every step and every drain iteration, and gets the final
+    ``NodeStats``.
 
     With ``freeze_gc`` (what ``kv-lifecycle simulate`` does), once everything is built and warm
     (imports, pools, stack, manager, scheduler) the heap is collected once and frozen
@@ -76,7 +77,8 @@ def run(cfg, stack, mgr, progress=None, enqueue_timer=None, freeze_gc: bool = Fa
     from lifecycle_tools.simulate.scheduler import Simulator
 
     t0 = time.perf_counter()
-    sim = Simulator(cfg, stack, mgr, progress, enqueue_timer, None if telemetry is None else telemetry.on_step)
+    sim = Simulator(cfg, stack, mgr, progress, enqueue_timer, None if telemetry is None else telemetry.on_step,
+                    None if telemetry is None else telemetry.on_wait)
     if freeze_gc:
         gc.collect()
         gc.freeze()
@@ -108,7 +110,8 @@ def run(cfg, stack, mgr, progress=None, enqueue_timer=None, freeze_gc: bool = Fa
 
 def shut_down(mgr, stack, drain_s: float, close_s: float = CLOSE_TIMEOUT_S) -> str:
     """Settle copies for up to ``drain_s`` seconds, then shut the manager down (forced if work is
-    still pending) and close the stack, each bounded by ``close_s`` (default ``CLOSE_TIMEOUT_S``).
+    still pending) and close the stack, the two together bounded by ``close_s`` (default
+    ``CLOSE_TIMEOUT_S``): the stack's close gets what the shutdown left.
 
     Returns:
         "" when everything finished, else what was abandoned (for the report).
@@ -117,8 +120,9 @@ def shut_down(mgr, stack, drain_s: float, close_s: float = CLOSE_TIMEOUT_S) -> s
     while not mgr.idle() and time.perf_counter() < deadline:
         mgr.check_offload_progress()
         time.sleep(0.001)
+    closing = time.perf_counter() + close_s    # one bound for the manager's shutdown and the stack's close
     pending = mgr.shutdown(force=not mgr.idle(), timeout_s=close_s)
-    closed = stack.close(timeout=close_s)
+    closed = stack.close(timeout=max(0.0, closing - time.perf_counter()))
     notes = []
     if pending.copies or pending.storage_ops:
         notes.append(f"manager shut down with {pending.copies} copies and {pending.storage_ops} storage ops pending")

@@ -282,16 +282,18 @@ def test_shutdown_refuses_with_work_pending_then_force_abandons_it_and_closes_th
     assert pick(ab, "held_slots", "copies", "quarantined_slots", "log_level") == dict(
         held_slots=8, copies=[("z", 1, 8, 12), ("z", 2, 12, 16)], quarantined_slots=0, log_level="error")
     assert ab["pending"] == pending.describe()
-    assert rig.off.closed_with == [2.5]
+    (closed_with,) = rig.off.closed_with                # one deadline: the close gets what the drain left
+    assert 0.0 <= closed_with <= 2.5
     rig.mgr.shutdown()                                  # idempotent: no second close
-    assert rig.off.closed_with == [2.5]
+    assert rig.off.closed_with == [closed_with]
 
 
 def test_idle_shutdown_closes_without_abandoning():
     rig = Rig(PS, offloader=ClosingOffloader(page_size=PS, host_pages=64, auto_land=False))
     with capture_logs() as logs:
         rig.mgr.shutdown()
-    assert events(logs, audit.ABANDONED) == [] and rig.off.closed_with == [5.0]
+    (closed_with,) = rig.off.closed_with                # the default bound, less the (empty) drain
+    assert events(logs, audit.ABANDONED) == [] and 4.0 < closed_with <= 5.0
 
 
 def test_a_failing_copy_engine_is_bounded_lines_and_a_complete_audit_trail():

@@ -642,15 +642,15 @@ def test_storage_tier_hook_gets_the_tokens_and_parent_of_each_page(observed):
     kv.write(torch.arange(8, 16), synthetic_kv(kv, 5, torch.arange(8)))
     h = landed(off, 1, 8)
     pub = Publisher()
-    store.events = TierAnnouncer(pub, "EXT", PS)
+    store.events = TierAnnouncer(pub, "EXTERNAL", PS)
     if observed:
         off.observer = Observer()
     tokens = list(range(10, 18))
     keys = hashing.page_hashes(tokens, PS)
     op = off.write_storage(h, tokens, keys, parent_hash="p" * 64)
     assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == []
-    assert pub.events == [("stored", "EXT", [keys[0]], tokens[:4], PS, "p" * 64),
-                          ("stored", "EXT", [keys[1]], tokens[4:], PS, keys[0])]
+    assert pub.events == [("stored", "EXTERNAL", [keys[0]], tokens[:4], PS, "p" * 64),
+                          ("stored", "EXTERNAL", [keys[1]], tokens[4:], PS, keys[0])]
     # the stored bytes are the host pages
     into = [torch.empty(host.page_nbytes, dtype=torch.uint8) for _ in keys]
     assert store.batch_get(keys, into) == [True, True]
@@ -711,3 +711,58 @@ def test_close_with_a_stuck_copy_returns_at_its_timeout_and_logs_what_it_left():
     eng.gate.set()
     assert drain(off.finished_writes, 1) == [1]
     off.free_host(h)
+
+
+# -- a discarded copy stores and announces nothing (issue 35, held-out gap) ---------------------
+@pytest.mark.parametrize("how,polled", [("discard_write", True), ("discard_write", False), ("expire", True),
+                                        ("expire", False), ("write_timeout_s", True)])
+@pytest.mark.parametrize("when", ["while running", "ended, not yet reported"])
+def test_a_discarded_copy_that_lands_stores_and_announces_nothing(how, polled, when):
+    """docs (``discard_write`` / ``expired_writes``): a copy the caller gave up on — discarded
+    because its device slots are being freed under it (its request released), or expired and
+    quarantined — lands as failed and its host pages are never stored. Handed to ``write_storage``
+    anyway, the op fails: no page reaches the tier, and no KV event announces one (neither the host
+    pool's ``CPU_PINNED`` nor the tier's), while a good copy beside it is stored and announced."""
+    clock = FakeClock()
+    eng = Gated(threads=1)
+    eng.hold.add(1)
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
+    store = MemoryStorage("_m_0_1", host.page_nbytes)
+    off = HostOffloader(kv, host, store, copy_engine=eng, write_timeout_s=5.0, clock=clock)
+    kv.write(torch.arange(8, 24), synthetic_kv(kv, 3, torch.arange(16)))
+    pub = Publisher()
+    off.events, store.events = HostAnnouncer(pub, PS), TierAnnouncer(pub, "EXTERNAL", PS)
+    bad = off.write(torch.arange(8, 16), 1)
+    drain(lambda: [1] if 1 in eng.started else [], 1)
+    if when == "ended, not yet reported":
+        eng.gate.set()
+        drain(lambda: [1] if not eng.unfinished() else [], 1)     # ended; finished_writes not called
+    with capture_logs():
+        if how == "discard_write":
+            off.discard_write(1)
+        elif how == "expire":
+            assert off.expire([1]) == [1]
+        else:
+            clock.t += 5.0
+        if polled:      # else it lands before ``expired_writes`` lists it (a discarded copy then never is)
+            assert off.expired_writes() == [1]
+        eng.gate.set()
+        assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == [1]
+        assert off.expired_writes() == []
+        good = landed(off, 2, 8, first=16)
+        tokens = list(range(100, 116))
+        keys = hashing.page_hashes(tokens, PS)
+        op_bad = off.write_storage(bad, tokens[:8], keys[:2])
+        op_good = off.write_storage(good, tokens[8:], keys[2:], parent_hash=keys[1])
+        assert sorted(drain(off.finished_storage, 2)) == sorted([op_bad, op_good])
+    assert off.failed_storage() == [op_bad]
+    assert store.batch_exists(keys[:1]) == 0 and store.batch_exists(keys[1:2]) == 0       # nothing stored
+    assert store.stats().stored == 2 and store.stats().pages == 2                 # the good copy's two
+    announced = {h for e in pub.events if e[0] == "stored" for h in e[2]}
+    assert announced == set(keys[2:]), pub.events                # only the good copy's pages
+    assert off.stats().pages_stored == 2
+    off.free_host(bad)
+    off.free_host(good)
+    assert all(keys[0] not in e[2] and keys[1] not in e[2] for e in pub.events)  # nor removed
+    off.close()

@@ -221,3 +221,140 @@ def test_close_storage_passes_the_timeout_only_to_a_close_that_takes_one():
     assert close_storage(New(), 1.5) == ["a", "b"]
     assert close_storage(opaque, 1.5) == []
     assert calls == ["old", ("new", 1.5), "opaque"]
+
+
+class StuckDeviceEngine(StuckEngine):
+    """``StuckEngine`` for slot ids on the device (``HostOffloader.write`` passes ``check_end``)."""
+
+    def to_host(self, tag, kv, host, slots, host_pages, check_end=None):
+        super().to_host(tag, kv, host, slots, host_pages)
+
+
+def test_close_never_reads_slot_ids_on_the_device_it_counts_them():
+    """Issue 34, point 5: the report of a close that abandoned copies reads no device memory (such
+    a read waits for the device, which may be what is stuck, and can raise): slot ids on the device
+    are counted in ``device_slots_unread``, not listed. The stand-in device fails the test on a read."""
+    from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
+
+    eng = StuckDeviceEngine(threads=1)
+    off, _ = make(engine=eng)
+    eng.stuck.add(3)
+    off.write(as_device_resident(torch.arange(8, 16)), 3)
+    off.write(torch.arange(16, 20), 4)  # a host row's ids: read and listed as before
+    eng.stuck.add(4)
+    drain(lambda: [1] if 3 in eng.started else [], 1)
+    with no_host_sync():
+        report = off.close(timeout=0.05)
+    assert not report.clean and report.abandoned_writes == [3, 4]
+    assert report.device_slots == [16, 17, 18, 19] and report.device_slots_unread == 8
+    assert "8 slot ids on the device, not read" in report.reason
+    eng.release.set()
+    assert sorted(drain(off.finished_writes, 2)) == [3, 4]
+
+
+def test_stack_close_that_abandons_a_copy_keeps_the_host_pool_pinned():
+    """The host pool is not closed (unpinned) under a copy still in flight: kept until exit."""
+    stack = build_stack(2, 2, 8, torch.bfloat16, PS, 32, 32, 2, 32)
+    eng = StuckEngine(threads=1)
+    stack.offloader.engine.close()
+    stack.offloader.engine = eng
+    eng.stuck.add(7)
+    stack.offloader.write(stack.allocator.alloc(8), 7)
+    drain(lambda: [1] if 7 in eng.started else [], 1)
+    assert not bounded(lambda: stack.close(timeout=0.05)).clean
+    assert stack.host_pool.kept
+    eng.release.set()
+    assert drain(stack.offloader.finished_writes, 1) == [7]
+
+
+# -- one bound for everything stuck at once (issue 35) ----------------------------------------
+BOUND_S = 4.0   # each stuck part waited out on its own would take >= 2 x BOUND_S
+
+
+def timed(fn, limit=60.0):
+    import time
+
+    t0 = time.monotonic()
+    out = bounded(fn, limit)
+    return out, time.monotonic() - t0
+
+
+def test_offloader_close_with_a_stuck_copy_and_a_stuck_storage_write_returns_within_its_timeout():
+    """docs (``HostOffloader.close``): at most ``timeout`` seconds in all. A copy that never returns
+    and a storage write that never returns at once: the copies' wait and the storage worker's wait
+    share the one deadline (a generous margin over it, well under twice it); both are abandoned and
+    named."""
+    eng, store = StuckEngine(threads=1), StuckStorage("_m_0_1")
+    off, host = make(engine=eng, storage=store)
+    h = off.write(torch.arange(8, 12), 1)
+    assert drain(off.finished_writes, 1) == [1]
+    tokens = [1, 2, 3, 4]
+    op = off.write_storage(h, tokens, hashing.page_hashes(tokens, PS))    # blocks in batch_set
+    eng.stuck.add(2)
+    off.write(torch.arange(16, 20), 2)                                    # blocks in the copy
+    drain(lambda: [1] if 2 in eng.started else [], 1)
+    report, took = timed(lambda: off.close(timeout=BOUND_S))
+    assert took < BOUND_S + 2.5, f"close(timeout={BOUND_S}) took {took:.2f} s"
+    assert not report.clean and report.abandoned_writes == [2] and report.abandoned_storage == [op]
+    eng.release.set()
+    store.release.set()
+    assert drain(off.finished_writes, 1) == [2] and drain(off.finished_storage, 1) == [op]
+
+
+def test_stack_close_with_a_stuck_copy_and_a_file_write_hung_in_the_filesystem_returns_within_its_timeout(
+        tmp_path, monkeypatch):
+    """docs (``TransferStack.close``): at most ``timeout`` seconds in all. A copy that never returns
+    and a real file-tier page write blocked in the kernel (a FIFO with no reader, ``hung_fs``) at
+    once: the offloader's close, the prefix loader's and the tier's share the one deadline; the
+    copy, the storage op and the page write are named in the report."""
+    from tests.support.hung_fs import HungWrite
+
+    stack = build_stack(2, 2, 8, torch.bfloat16, PS, device_tokens=64, host_tokens=32, rows=4, max_len=64,
+                        storage=f"file:{tmp_path / 'store'}")
+    eng = StuckEngine(threads=1)
+    stack.offloader.engine.close()
+    stack.offloader.engine = eng
+    off, store = stack.offloader, stack.storage
+    tokens = list(range(1, 2 * PS + 1))
+    keys = hashing.page_hashes(tokens, PS)
+    hung = HungWrite(store, keys[1] + store.suffix, monkeypatch)
+    h = off.write(torch.arange(8, 8 + 2 * PS), 1)
+    assert drain(off.finished_writes, 1) == [1]
+    op = off.write_storage(h, tokens, keys)
+    hung.wait_stuck()
+    eng.stuck.add(2)
+    off.write(torch.arange(24, 28), 2)
+    drain(lambda: [1] if 2 in eng.started else [], 1)
+    report, took = timed(lambda: stack.close(timeout=BOUND_S))
+    assert took < BOUND_S + 2.5, f"stack.close(timeout={BOUND_S}) took {took:.2f} s"
+    assert not report.clean and report.abandoned_writes == [2] and report.abandoned_storage == [op]
+    assert report.abandoned_pages == [keys[1] + store.suffix]
+    assert stack.host_pool.kept                       # a copy may still write into it
+    eng.release.set()
+    hung.release()
+    assert drain(off.finished_writes, 1) == [2]
+    assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
+
+
+def test_file_tier_close_with_a_hung_page_write_returns_within_its_timeout(tmp_path, monkeypatch):
+    """docs (``FileStorage.close``): at most ``timeout`` seconds in all: the writer threads' join and
+    the wait for the writes in flight share one deadline. A real page write blocked in the kernel
+    (``hung_fs``), on a writer thread."""
+    import threading
+
+    from tests.support.hung_fs import HungWrite
+    from transfer.storage.file import FileStorage
+
+    store = FileStorage(tmp_path / "store", "_f", 64)
+    keys = hashing.page_hashes(list(range(1, 2 * PS + 1)), PS)
+    hung = HungWrite(store, keys[1] + store.suffix, monkeypatch)
+    pages = [torch.full((64,), i, dtype=torch.uint8) for i in range(2)]
+    writer = threading.Thread(target=lambda: store.batch_set(keys, pages), daemon=True)
+    writer.start()
+    hung.wait_stuck()
+    abandoned, took = timed(lambda: store.close(timeout=BOUND_S))
+    assert took < BOUND_S + 2.5, f"close(timeout={BOUND_S}) took {took:.2f} s"
+    assert abandoned == [keys[1] + store.suffix]
+    hung.release()
+    writer.join(30)
+    assert not writer.is_alive()
