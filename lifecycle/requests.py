@@ -5,6 +5,10 @@ before it changes anything, and plans its work here (``plan_chunk``; ``lifecycle
 release) with every input checked; the manager acts only on a validated plan. A check that fails
 raises a ``LifecycleError`` (``InvalidRequest``, ``InvalidToken``, ``InvalidSlots``) naming the
 request; slot ids are checked by ``lifecycle.slots.check_slots``, the one check both plans use.
+
+A request's namespace (``namespace_of``: its LoRA ``extra_key`` and ``cache_salt``, as SGLang 0.5.23
+seeds its storage chains) is read once, when its record is created (first sight, readmit), never
+per chunk: the chain's tail carries it from there.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ import operator
 import numpy as np
 import torch
 
-from hashing import TokenRangeError, page_hashes
+from hashing import TokenRangeError, namespace_seed, page_hashes
 from lifecycle.errors import InvalidRequest, InvalidToken
 from lifecycle.records import Chunk, OffloadedState
 from transfer.indices import on_host
-from lifecycle.slots import check_slots
+from lifecycle.slots import check_device_chunk, check_slots
 
 _SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
 _KV_SHAPE = ("req_pool_idx", "kv_committed_len", "kv_allocated_len")
@@ -129,12 +133,61 @@ def hashes(rid, tokens, page_size: int, prior, offset: int) -> list[str]:
     return page_hashes(clean, page_size, prior)
 
 
+_NAMESPACE_FIELDS = ("extra_key", "cache_salt")
+
+
+def namespace_of(mgr, req) -> str | None:
+    """The seed of ``req``'s page hash chain: the prior of its first page (None: no namespace).
+
+    SGLang 0.5.23 seeds every request's chain with ``storage_namespace_seed(req.extra_key,
+    req.cache_salt)`` (a LoRA request's ``extra_key`` ends with its adapter id); that algorithm is
+    ``hashing.namespace_seed``, None when both fields are absent, so plain requests keep their
+    names. A field the request does not have counts as absent (None). With the manager's own
+    ``namespace_seed`` (SGLang has none):
+
+    * the request names no namespace: the manager's seed (unchanged behaviour);
+    * it names one and the manager has none: the request's seed (SGLang 0.5.23's names);
+    * both, and equal: that seed; both, and different: refused. A manager seed declares every
+      request's namespace; a request naming another would otherwise either lose the manager's
+      isolation or break SGLang's names, so neither is picked silently.
+
+    Raises:
+        InvalidRequest: a field that is neither None nor a ``str``, one UTF-8 cannot encode (a lone
+            surrogate), or a namespace other than the manager's seed. Reads only: nothing changes.
+    """
+    extra_key = getattr(req, "extra_key", None)
+    cache_salt = getattr(req, "cache_salt", None)
+    if extra_key is None and cache_salt is None:
+        return mgr.namespace_seed
+    fields = []
+    for name, value in zip(_NAMESPACE_FIELDS, (extra_key, cache_salt)):
+        if value is not None:
+            if not isinstance(value, str):
+                raise InvalidRequest(f"request {getattr(req, 'rid', None)!r}: {name} {value!r} "
+                                     f"({type(value).__name__}) is not a str or None")
+            value = str.__str__(value)  # a str subclass is hashed as its characters
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise InvalidRequest(f"request {getattr(req, 'rid', None)!r}: {name} {value!r} is not "
+                                     f"encodable as UTF-8 ({err.reason})") from None
+        fields.append(value)
+    seed = namespace_seed(*fields)
+    if mgr.namespace_seed is not None and seed != mgr.namespace_seed:
+        raise InvalidRequest(
+            f"request {getattr(req, 'rid', None)!r}: its namespace (extra_key={extra_key!r}, "
+            f"cache_salt={cache_salt!r}) is not the manager's namespace_seed {mgr.namespace_seed}")
+    return seed
+
+
 def initial_progress(mgr, req) -> OffloadedState:
-    """Offload progress on first sight: the chain tail of the page-aligned prompt."""
+    """Offload progress on first sight: the chain tail of the page-aligned prompt, chained from the
+    request's namespace seed (``namespace_of``; the tail is the seed when the prompt has no page)."""
+    seed = namespace_of(mgr, req)
     tokens = req.origin_input_ids
     prefill = len(tokens) - len(tokens) % mgr.page_size
-    names = hashes(req.rid, tokens[:prefill], mgr.page_size, mgr.namespace_seed, 0)
-    return OffloadedState(0, names[-1] if names else mgr.namespace_seed)
+    names = hashes(req.rid, tokens[:prefill], mgr.page_size, seed, 0)
+    return OffloadedState(0, names[-1] if names else seed)
 
 
 def row_slots(table: torch.Tensor, row: int, start: int, end: int) -> tuple[torch.Tensor, np.ndarray | None]:
@@ -142,7 +195,8 @@ def row_slots(table: torch.Tensor, row: int, start: int, end: int) -> tuple[torc
     on the CPU for the slot check. In host memory one NumPy copy-convert, shared by both (about
     half the cost of the torch indexing and ``to`` for a chunk's few slots). On a device a
     device-side copy, never read on the host (no sync): the ids are None and their values are
-    checked where the copy runs (``transfer.gather.ChunkCopy``; a bad chunk is a failed copy)."""
+    checked on the device (``lifecycle.slots.check_device_chunk``) and where the copy runs
+    (``transfer.gather.ChunkCopy``); a bad chunk is a failed copy."""
     if on_host(table):
         a = table.numpy()[row, start:end].astype(np.int64)  # an integer table: never requires grad
         return torch.from_numpy(a), a
@@ -157,7 +211,8 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
         InvalidToken: a token of the chunk is not an int in 0..2**32-1.
         InvalidSlots: the row lists, for the chunk, a -1 or repeated slot id, one a copy in flight
             still reads, or one the allocator does not hold (``lifecycle.slots.check_slots``, the
-            check the release plan makes).
+            check the release plan makes). A row on a device is never refused here: the same is
+            checked on the device (``check_device_chunk``) and a bad chunk's copy fails.
     """
     row, committed, _ = view
     origin, out = req.origin_input_ids, req.output_ids
@@ -185,7 +240,10 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
     indices, ids = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
     if ids is not None:
         check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", indices=indices)
-    parent = rec.offload.last_hash   # the page before the chunk; a namespace seed is no page
+    else:  # on the device, no host read: a chunk that fails is a failed copy, never stored
+        check_device_chunk(mgr, indices)
+    # the page before the chunk: none before the chain's first page (its prior, the namespace
+    # seed when there is one, is no page); every chunk and the prefill are whole pages
+    parent = rec.offload.last_hash if start else None
     # tuples: the collector untracks them (ints, strings), where a list stays tracked while in flight
-    return Chunk(0, req, rec, start, end, None, tuple(tokens), tuple(names), 0.0, indices,
-                 None if parent == mgr.namespace_seed else parent)
+    return Chunk(0, req, rec, start, end, None, tuple(tokens), tuple(names), 0.0, indices, parent)

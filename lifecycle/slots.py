@@ -8,8 +8,6 @@ valid page hash, or a release free memory still in use. Every plan reads its slo
 
 * not negative (-1: never written),
 * distinct,
-* (host-memory rows; a device row's ids are never read on the host: a chunk's are checked where
-  the copy runs, a release's on the device by ``release.plan_release``, and not counted here)
 * not read by a copy in flight (another request's, or this request's at another position) nor by
   an expired copy whose slots are quarantined — ``SlotsInFlight`` counts them per slot id,
 * in range and allocated, when the allocator can tell (``check_free``, the same probe the default
@@ -17,6 +15,14 @@ valid page hash, or a release free memory still in use. Every plan reads its slo
 
 A refusal raises ``InvalidSlots`` (a ``LifecycleError``) naming the request, its row, the slot, the
 verb (``offload`` / ``free``) and the token ranges, and changes nothing.
+
+A device row's ids (``req_to_token`` on CUDA) are never read on the host. A chunk's are checked on
+the device by ``check_device_chunk`` (issued on the caller's stream, no sync): pages distinct, none
+read by a copy in flight (``DeviceReads``: per device page, counted on the device), every one held
+by the allocator when it keeps its free lists on the device (SGLang's ``free_pages`` /
+``release_pages``); a chunk that fails has its ids set to -1 on the device, so its copy fails
+(the copy's own check: whole aligned pages inside the pool) and nothing of it is stored. A
+release's are checked on the device by ``release.plan_release``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 import torch
 
 from lifecycle.errors import InvalidSlots, LifecycleError
+from transfer.gather import check_chunk_on_device
 from transfer.indices import on_host
 
 
@@ -41,7 +48,7 @@ class SlotsInFlight:
     ending uncounts them (``remove``). Sized on demand by the highest slot id seen.
     """
 
-    __slots__ = ("_n", "_by_ack", "planned")
+    __slots__ = ("_n", "_by_ack", "planned", "device")
 
     def __init__(self) -> None:
         self._n = np.zeros(1024, dtype=np.int32)
@@ -49,13 +56,16 @@ class SlotsInFlight:
         # (indices tensor, ids, lo, hi, run, unread) of the chunk being planned; ``unread``: the
         # check saw every id's count at 0 (a run), so ``add`` sets them to 1 instead of adding
         self.planned = None
+        self.device: DeviceReads | None = None  # device rows' counts (made by their first chunk)
 
     def add(self, ack: int, indices) -> None:
         """Count the copy ``ack`` reading ``indices`` (the tensor its plan checked)."""
         p = self.planned
         self.planned = None
         if p is None or p[0] is not indices:  # not planned through check_slots: derive (never on the fast path)
-            if not on_host(indices):  # device-resident ids are never read on the host (no sync): not counted
+            if not on_host(indices):  # device-resident ids are never read on the host (no sync): counted there
+                if self.device is not None:
+                    self.device.add(ack, indices)
                 return
             a = indices.numpy()
             if not a.shape[0]:
@@ -79,6 +89,8 @@ class SlotsInFlight:
         """The copy ``ack`` ended: its slots are no longer read by it."""
         p = self._by_ack.pop(ack, None)
         if p is None:
+            if self.device is not None:
+                self.device.remove(ack)
             return
         a, lo, hi, run = p
         if run:
@@ -116,6 +128,108 @@ class SlotsInFlight:
     def total(self) -> int:
         """Slot reads counted (for integrity checks and tests)."""
         return int(self._n.sum())
+
+
+class DeviceReads:
+    """``SlotsInFlight`` for slot ids that live on a device: per page of the device pool, how many
+    copies in flight (expired ones included, until they end) read it, as an int32 tensor on that
+    device. Counted (``add``, at the chunk's commit) and uncounted (``remove``, when its copy lands,
+    fails or finally ends) by device ops issued on the caller's stream, in call order; never read
+    on the host. A chunk its check refused is counted on a spare last entry (never asked), so its
+    pages are not counted as read: its copy fails. Holds the allocator's held-page mask too
+    (``held``), rebuilt on the device when the allocator's free lists change.
+
+    Args:
+        like: a tensor on the device (the chunk's ids).
+        page_size: the manager's page (slots per counted page).
+        end: the device pool's slot count.
+    """
+
+    __slots__ = ("counts", "page_size", "end", "pages", "planned", "_by_ack", "_ones", "_held_of", "_held")
+
+    def __init__(self, like: torch.Tensor, page_size: int, end: int) -> None:
+        self.page_size, self.end = page_size, end
+        self.pages = (end - 1) // page_size + 1
+        self.counts = torch.zeros(self.pages + 1, dtype=torch.int32, device=like.device)  # + the spare
+        self.planned = None  # (indices, pages to count) of the chunk just checked
+        self._by_ack: dict = {}  # ack id -> pages as counted
+        self._ones: dict = {}  # page count -> int32 ones on the device
+        self._held_of: tuple = ()  # the free-list tensors (and versions) the mask was built from
+        self._held = None
+
+    def plan(self, indices: torch.Tensor, bad: torch.Tensor, pages: torch.Tensor) -> None:
+        """Leave the checked chunk for ``add``: its pages, or the spare entry for each when ``bad``."""
+        self.planned = (indices, torch.where(bad, self.pages, pages))
+
+    def _ones_of(self, n: int) -> torch.Tensor:
+        ones = self._ones.get(n)
+        if ones is None:
+            ones = self._ones[n] = torch.ones(n, dtype=torch.int32, device=self.counts.device)
+        return ones
+
+    def add(self, ack: int, indices) -> None:
+        """Count the copy ``ack`` reading ``indices`` (checked by ``check_device_chunk``)."""
+        p, self.planned = self.planned, None
+        if p is None or p[0] is not indices:
+            return
+        self.counts.index_add_(0, p[1], self._ones_of(p[1].shape[0]))
+        self._by_ack[ack] = p[1]
+
+    def remove(self, ack: int) -> None:
+        """The copy ``ack`` ended: uncount its pages."""
+        pages = self._by_ack.pop(ack, None)
+        if pages is not None:
+            self.counts.index_add_(0, pages, self._ones_of(pages.shape[0]), alpha=-1)
+
+    def held(self, allocator, device: torch.device, alloc_page: int) -> torch.Tensor | None:
+        """Per allocator page, whether ``allocator`` holds it (bool, on ``device``; page 0 is SGLang's
+        padding page, never handed out), from its free lists on the device (``free_pages`` and
+        ``release_pages``, page ids). None when it keeps none there (then not checked). Built on
+        the device when the lists changed (another tensor, or written in place), else reused."""
+        free = getattr(allocator, "free_pages", None)
+        if not isinstance(free, torch.Tensor) or free.device != device or free.dim() != 1:
+            return None
+        rel = getattr(allocator, "release_pages", None)
+        if not isinstance(rel, torch.Tensor) or rel.device != device or rel.dim() != 1:
+            rel = None
+        key = (free, free._version, rel, None if rel is None else rel._version)
+        if len(self._held_of) == 4 and all(a is b for a, b in zip(key[::2], self._held_of[::2])) \
+                and key[1::2] == self._held_of[1::2]:
+            return self._held
+        n = (self.end - 1) // alloc_page + 1
+        mask = torch.ones(n + 1, dtype=torch.bool, device=device)  # entry n: where a stray id lands
+        mask[0] = False
+        for lst in (free, rel):
+            if lst is not None and lst.numel():
+                mask.index_fill_(0, lst.to(torch.int64).clamp(0, n), False)
+        self._held_of, self._held = key, mask
+        return mask
+
+
+def check_device_chunk(mgr, indices: torch.Tensor) -> None:
+    """Check a chunk's slot ids that live on a device (``indices``: the plan's own int64 copy of
+    the row) as ``check_slots`` checks a host row's — pages distinct, none read by a copy in flight,
+    every one held by the allocator when it can tell — on the device, on the caller's stream,
+    without reading them (``transfer.gather.check_chunk_on_device``). A chunk that fails has its
+    ids set to -1 in place, on the device: its copy then fails (whole aligned pages inside the pool
+    is the copy's check) and nothing of it is stored. The chunk's pages are left in
+    ``mgr._reading.device.planned`` for the chunk's commit (``SlotsInFlight.add``).
+
+    Without the pool's slot count (``mgr._slot_end`` None) only the pages' distinctness is checked.
+    """
+    ps, end = mgr.page_size, mgr._slot_end
+    if end is None:
+        bad, _ = check_chunk_on_device(indices, ps, None)
+        indices.masked_fill_(bad, -1)
+        return
+    reading = mgr._reading
+    dev = reading.device
+    if dev is None:
+        dev = reading.device = DeviceReads(indices, ps, end)
+    held = dev.held(mgr.token_to_kv_pool_allocator, indices.device, mgr._alloc_page)
+    bad, pages = check_chunk_on_device(indices, ps, end, dev.counts, held, mgr._alloc_page)
+    indices.masked_fill_(bad, -1)
+    dev.plan(indices, bad, pages)
 
 
 def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None):

@@ -2,7 +2,8 @@
 
 SGLang's scheduler hands the manager its ``Req`` objects; the manager reads ``rid``,
 ``origin_input_ids``, ``output_ids``, ``kv.req_pool_idx``, ``kv.kv_committed_len``,
-``kv.kv_allocated_len`` and ``finished()``, and keys its records weakly by the object. This is the
+``kv.kv_allocated_len`` and ``finished()`` (and, once, ``extra_key`` and ``cache_salt``: the
+request's namespace), and keys its records weakly by the object. This is the
 smallest class with that shape, shared by the reference scheduler (``kv-lifecycle simulate``),
 the tests and the benchmarks. KV exists for ``origin_input_ids + output_ids[:-1]``: the last
 sampled token has no KV yet.
@@ -44,13 +45,19 @@ class Request:
         outputs: tokens sampled so far (``output_ids``); the prefill node samples the first.
         spec: speculative slots kept beyond the committed KV (``allocated = committed + spec``).
         finished: whether ``finished()`` already says so.
+        extra_key: SGLang's ``Req.extra_key`` (a LoRA request's ends with its adapter id), or None.
+        cache_salt: the tenant's cache salt, or None. With ``extra_key`` it names the namespace the
+            request's pages are stored under (``DecodeOffloadManager.namespace_of``).
     """
 
-    __slots__ = ("rid", "origin_input_ids", "output_ids", "kv", "spec", "_finished", "__weakref__")
+    __slots__ = ("rid", "origin_input_ids", "output_ids", "kv", "spec", "_finished", "extra_key", "cache_salt",
+                 "__weakref__")
 
     def __init__(self, rid, prompt: Iterable[int], row: int | None = None, *,
-                 outputs: Iterable[int] = (), spec: int = 0, finished: bool = False) -> None:
+                 outputs: Iterable[int] = (), spec: int = 0, finished: bool = False,
+                 extra_key: str | None = None, cache_salt: str | None = None) -> None:
         self.rid = rid
+        self.extra_key, self.cache_salt = extra_key, cache_salt
         self.origin_input_ids = list(prompt)
         self.output_ids = list(outputs)
         committed = len(self.origin_input_ids) + max(len(self.output_ids) - 1, 0)

@@ -1,7 +1,9 @@
 """Prefix reuse: find a new request's leading pages in storage and load them into device slots.
 
-``start`` hashes the request's tokens (``hashing.page_hashes``, optionally from a namespace seed),
-asks storage how many leading pages exist, allocates device slots and host pages for them, and
+``start`` hashes the request's tokens (``hashing.page_hashes``, from the request's namespace seed:
+``DecodeOffloadManager.namespace_of(req)``, the seed its LoRA ``extra_key`` and ``cache_salt`` give
+and the manager names its pages under; None for a plain request), asks storage how many leading
+pages exist, allocates device slots and host pages for them, and
 queues the load (storage -> host pages -> device slots) on a worker thread. ``finished`` reports
 loads as they complete, frees the host staging pages and any device slots whose page could not be
 read (a page evicted between lookup and read ends the prefix there).
@@ -116,7 +118,10 @@ class PrefixLoader:
         self.observer = None  # ``storage_seconds(op, s)`` of each existence check and read (metrics)
 
     def lookup(self, tokens: Sequence[int], prior_hash: str | None = None) -> list[str]:
-        """Hashes of the leading pages of ``tokens`` present in storage (no loading).
+        """Hashes of the leading pages of ``tokens`` present in storage (no loading), named from
+        ``prior_hash``: the request's namespace seed (see ``start``). Only pages stored under that
+        namespace are found: a page's name depends on the seed, so no name of one namespace is a
+        name of another.
 
         Never raises for the tier: down, hung past ``lookup_timeout_s`` or behind an open
         breaker, it is a miss (``[]``), counted in ``stats()``.
@@ -177,7 +182,9 @@ class PrefixLoader:
         Args:
             load_id: caller-chosen id, reported once by ``finished`` when pages > 0.
             tokens: the request's token ids.
-            prior_hash: namespace seed (``hashing.namespace_seed``) or None.
+            prior_hash: the request's namespace seed or None (a plain request):
+                ``DecodeOffloadManager.namespace_of(req)``, which is ``hashing.namespace_seed(
+                req.extra_key, req.cache_salt)`` unless the manager has a seed of its own.
             max_pages: load at most this many pages.
         Returns:
             Pages queued (0: nothing stored, nothing queued, never reported); None when device

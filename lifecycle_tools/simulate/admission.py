@@ -7,7 +7,9 @@ prompt it looks up the prompt's leading full pages with the stack's ``PrefixLoad
 storage tier cannot answer (down, hung past the loader's deadline, behind an open breaker, or a loader that raises ``StorageError``) is a miss,
 counted in ``prefix_lookups_failed``, never an error of the run. A load stages through free host
 pages: stored pages beyond them (or all, when device slots or host pages are short) are not loaded
-but computed, counted in ``prefix_pages_unstaged``.
+but computed, counted in ``prefix_pages_unstaged``. Lookups, loads and backups name pages under the
+request's namespace (``SimRequest.seed``, the manager's ``namespace_of``), as the manager names the
+pages it offloads: a LoRA or salted request finds only pages of its own namespace.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ class Admission:
         staging = min(full, self.host.available_size() // self.ps)  # host pages to stage through
         load_id = next(self._load_ids)
         found = self.loader.stats().pages_found  # lookups run on this thread: the delta is this one's
-        try:
-            got = self.loader.start(load_id, req.seq[: full * self.ps], None, staging)
+        try:  # under the request's namespace: only pages stored under it are found
+            got = self.loader.start(load_id, req.seq[: full * self.ps], req.seed, staging)
         except StorageError as err:
             rep.prefix_lookups_failed += 1
             if rep.prefix_lookups_failed == 1:
@@ -130,23 +132,31 @@ class Admission:
             ps.rep.prefill_backup_failures += 1
             return
         tokens = req.seq[: last * self.ps]
-        keys = hashing.page_hashes(tokens, self.ps)
+        keys = hashing.page_hashes(tokens, self.ps, req.seed)   # the chain the manager continues
         kvids, storage, kv, ps_ = req.kvids, self.storage, self.kv, self.ps
+        # the prefill node's pages: announced with their tokens and chain parent (KV events), and
+        # declared now, before a decode chunk continuing them is announced (parents first)
+        declared = None if storage.events is None else storage.events.writing(
+            keys[first:last], tokens[first * ps_:last * ps_], keys[first - 1] if first else None)
 
         def job() -> int:
-            start = max(first, storage.batch_exists(keys))
-            if start >= last:
-                return 0
-            pages = kv.page_bytes(kvids, start * ps_, last - start)
-            put = keys[start:last]
-            if storage.events is None:
-                return sum(storage.batch_set(put, [pages[i] for i in range(last - start)]))
-            # the prefill node's pages: announced with their tokens and chain parent (KV events)
-            with storage.events.writing(put, tokens[start * ps_:last * ps_], keys[start - 1] if start else None):
-                return sum(storage.batch_set(put, [pages[i] for i in range(last - start)]))
+            try:
+                start = max(first, storage.batch_exists(keys))
+                if start >= last:
+                    return 0
+                pages = kv.page_bytes(kvids, start * ps_, last - start)
+                return sum(storage.batch_set(keys[start:last], [pages[i] for i in range(last - start)]))
+            finally:
+                if declared is not None:
+                    declared.end()
 
         self.backups_pending += 1
-        self._backup.submit(req.rid, job)
+        try:
+            self._backup.submit(req.rid, job)
+        except BaseException:
+            if declared is not None:
+                declared.end()
+            raise
 
     def poll_backups(self, rep: PassReport) -> None:
         """Count the prompt backups that finished."""

@@ -68,6 +68,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("abort_frac", 0.05, k.fraction, "fraction aborted mid-decode", WORKLOAD),
     Option("retract_frac", 0.1, k.fraction, "fraction retracted mid-decode and readmitted", WORKLOAD),
     Option("seed", 0, k.integer(0, None), "workload seed; the same seed on the same store hits", WORKLOAD),
+    Option("lora_adapters", 0, k.integer(0, 1 << 16), "LoRA adapters: each chat is served by one of N "
+           "adapters or the base model (drawn uniformly); an adapter's pages are stored under its namespace",
+           WORKLOAD),
+    Option("cache_salts", 0, k.integer(0, 1 << 16), "salted tenants: each chat belongs to one of N tenants "
+           "with a cache_salt or to no tenant (drawn uniformly); a tenant finds only its own pages", WORKLOAD),
     Option("store", None, k.text, "file storage directory (default ./kv-store)", STORAGE),
     Option("storage", None, k.text, "another backend instead of --store: memory, file:DIR, "
            "redis://HOST:PORT/DB, redis+cluster://HOST:PORT, mooncake://HOST:PORT[?options] (retention "
@@ -89,6 +94,12 @@ OPTIONS: tuple[Option, ...] = (
            "http://HOST:PORT/metrics during the run (see docs/metrics.md)", OBSERVE),
     Option("metrics_host", "127.0.0.1", k.host, "address --metrics-port binds (0.0.0.0: every interface)",
            OBSERVE),
+    Option("metrics_linger", 0.0, k.number(0.001, 3600, "S", " seconds", zero="none"), "keep serving "
+           "/metrics this many seconds after the run's final update, so a scraper gets the final values (needs "
+           "--metrics-port)", OBSERVE),
+    Option("metrics_push", None, k.push_url, "push the run's final metrics to this Prometheus Pushgateway "
+           "(job kv_lifecycle_simulate), e.g. http://127.0.0.1:9091; a failed push is one line on stderr and "
+           "exit 2", OBSERVE),
     Option("kv_events", None, k.zmq_endpoint, "publish KV events (BlockStored / BlockRemoved, SGLang's wire "
            "format) on this ZMQ endpoint, bound by the run, e.g. tcp://127.0.0.1:5557", OBSERVE),
     Option("kv_events_replay", None, k.zmq_endpoint, "a ZMQ ROUTER endpoint, bound by the run, from which a "
@@ -177,6 +188,8 @@ def _check_combinations(cfg) -> None:
         raise ConfigProblem(f"--host-tokens {cfg.host_tokens} cannot hold one offload chunk of {stride} tokens")
     if cfg.abort_frac + cfg.retract_frac > 1.0:
         raise ConfigProblem("--abort-frac + --retract-frac must not exceed 1")
+    if cfg.metrics_linger and cfg.metrics_port is None:
+        raise ConfigProblem("--metrics-linger needs --metrics-port")
     if cfg.kv_events_replay is not None and cfg.kv_events is None:
         raise ConfigProblem("--kv-events-replay needs --kv-events")
     if cfg.kv_events is not None and cfg.kv_events == cfg.kv_events_replay:

@@ -57,12 +57,15 @@ class Simulator:
         progress: optional callback taking a ``Progress`` (about every 0.1 s).
         enqueue_timer: the ``EnqueueTimer`` installed on the stack's offloader, if any.
         on_step: optional callback taking the manager's time in each step, in seconds (metrics).
+        on_wait: optional callback (no arguments) called in every iteration of a pass's drain and
+            between the steps after it (leak count, verification): metrics refresh there too.
     """
 
     def __init__(self, cfg, stack, mgr, progress=None, enqueue_timer: EnqueueTimer | None = None,
-                 on_step=None) -> None:
+                 on_step=None, on_wait=None) -> None:
         self.cfg, self.stack, self.mgr, self.progress = cfg, stack, mgr, progress
         self.on_step = on_step  # called after each step with the manager's time in it (seconds)
+        self.on_wait = on_wait or (lambda: None)
         self.ps, self.spec = cfg.page_size, cfg.spec_tokens
         self.rows = stack.req_to_token_pool
         self.kv = SyntheticKV(stack.kv_pool, self.rows, self.ps)
@@ -102,8 +105,11 @@ class Simulator:
         rep.wall_s = time.perf_counter() - t0
         rep.steps = ps.step
         tally_pass(rep, ps, self.mgr, self.stack, self.enqueue_timer)
+        self.on_wait()
         self._count_leaks(ps)
+        self.on_wait()
         verify_sample(ps.sample, self.stack.storage, self.stack.host_pool, self.kv, rep)
+        self.on_wait()
         integrity_of_pass(rep, ps.before.tiers[0].storage, self.stack.storage.stats())
         return rep
 
@@ -111,7 +117,7 @@ class Simulator:
     def _step(self, ps: PassState) -> None:
         ps.step += 1
         self.calls.step_ns = 0
-        ps.waiting.extend(SimRequest(plan) for plan in ps.arrivals())
+        ps.waiting.extend(self._arrived(plan) for plan in ps.arrivals())
         self.calls(self.mgr.check_offload_progress)
         self.admission.poll_backups(ps.rep)
         self._settle_released(ps)
@@ -132,6 +138,12 @@ class Simulator:
             time.sleep(0.0002)               # only waiting on copies or loads
         self._report_progress(ps)
 
+    def _arrived(self, plan) -> SimRequest:
+        """A new request; its pages' namespace is the manager's (read once, as the manager does)."""
+        req = SimRequest(plan)
+        req.seed = self.mgr.namespace_of(req)
+        return req
+
     def _settle_released(self, ps: PassState) -> None:
         """Requests the manager has RELEASED: return their reservation; requeue a retracted one."""
         still = []
@@ -146,7 +158,7 @@ class Simulator:
             prog = self.mgr.progress_of(req)
             if prog is not None and prog.inc_len:
                 first = len(req.origin_input_ids) // self.ps
-                ps.sample.offer(req.seq, req.kvids, first, first + prog.inc_len // self.ps)
+                ps.sample.offer(req.seq, req.kvids, first, first + prog.inc_len // self.ps, req.seed)
             if req.ending == "retract":
                 req.readmit, req.ending = True, ""
                 ps.waiting.appendleft(req)
@@ -239,6 +251,7 @@ class Simulator:
             self.calls.step_ns = 0
             self.calls(self.mgr.check_offload_progress)
             self.admission.poll_backups(rep)
+            self.on_wait()
             now = time.perf_counter()
             pending = self.mgr.pending()
             copies = pending.copies or pending.finished_waiting or pending.unsettled

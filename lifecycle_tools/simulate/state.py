@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import hashing
 from lifecycle_tools.request import Request
 from lifecycle_tools.simulate.report import PassReport
 from lifecycle_tools.simulate.verify import PageSample
@@ -18,15 +19,21 @@ from lifecycle_tools.simulate.workload import Plan, kv_ids
 
 
 class SimRequest(Request):
-    """A decode request as SGLang's scheduler holds it, plus the simulator's plan for it."""
+    """A decode request as SGLang's scheduler holds it, plus the simulator's plan for it.
 
-    __slots__ = ("plan", "seq", "kvids", "pages", "reserved", "retracted", "readmit", "ending")
+    ``seed`` is the namespace its pages are named under, as the manager names them
+    (``DecodeOffloadManager.namespace_of``, set on arrival): its prefix lookups, prompt backups
+    and the verification sample chain from it."""
 
-    def __init__(self, plan: Plan) -> None:
-        super().__init__(plan.rid, plan.prompt)
+    __slots__ = ("plan", "seq", "kvids", "pages", "reserved", "retracted", "readmit", "ending", "seed")
+
+    def __init__(self, plan: Plan, seed: str | None = None) -> None:
+        super().__init__(plan.rid, plan.prompt, extra_key=plan.extra_key, cache_salt=plan.cache_salt)
         self.plan = plan
+        self.seed = seed
         self.seq = plan.prompt + plan.output
-        self.kvids = torch.tensor(kv_ids(self.seq), dtype=torch.int64)   # kv id of every position
+        model = hashing.namespace_seed(plan.extra_key, plan.cache_salt)   # whose KV (adapter, tenant)
+        self.kvids = torch.tensor(kv_ids(self.seq, model), dtype=torch.int64)   # kv id of every position
         self.pages = 0                # pages of the row backed by allocated slots
         self.reserved = 0             # pages reserved at admission
         self.retracted = False        # retracted once already

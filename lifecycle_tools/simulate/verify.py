@@ -40,12 +40,13 @@ class PageSample:
         j = self.rng.randrange(k + 1)
         return j if j < self.limit else None
 
-    def offer(self, seq: list[int], kvids: torch.Tensor, first: int, last: int) -> None:
-        """Pages ``[first, last)`` of ``seq`` were stored by the manager."""
+    def offer(self, seq: list[int], kvids: torch.Tensor, first: int, last: int, seed: str | None = None) -> None:
+        """Pages ``[first, last)`` of ``seq`` were stored by the manager, its chain starting at
+        ``seed`` (the request's namespace, ``DecodeOffloadManager.namespace_of``)."""
         chosen = [(i, s) for i in range(first, last) if (s := self._slot()) is not None]
         if not chosen:
             return
-        hashes = hashing.page_hashes(seq[: last * self.ps], self.ps)
+        hashes = hashing.page_hashes(seq[: last * self.ps], self.ps, seed)
         for i, s in chosen:
             pos = i * self.ps
             self.items[s] = (hashes[i], kvids[pos:pos + self.ps].clone(), pos)

@@ -4,6 +4,11 @@ A chat arrives at a step (Poisson arrivals counted in scheduler steps); its turn
 whose prompt is the system prompt, every earlier turn's prompt and output, and new user tokens, so
 later turns (and other chats, through the system prompt) share prefixes. ``iter_chats`` yields the
 chats in arrival order, one at a time: memory holds only the chats the scheduler has taken.
+
+With ``lora_adapters`` / ``cache_salts`` each chat is served by a LoRA adapter (SGLang appends its
+id to ``Req.extra_key``) and/or belongs to a salted tenant, drawn from a generator of its own so the
+tokens are those of the same seed without them; every turn of a chat keeps the chat's namespace.
+Requests of different namespaces then share token prefixes (the system prompt), but never pages.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class Plan:
     abort_at: int | None = None    # aborted once it holds this many output tokens
     retract_at: int | None = None  # retracted (once) at this many output tokens
     next: "Plan | None" = None
+    extra_key: str | None = None   # SGLang's Req.extra_key: the LoRA adapter's id (None: the base model)
+    cache_salt: str | None = None  # the tenant's cache salt (None: unsalted)
 
     @property
     def max_slots(self) -> int:
@@ -41,7 +48,7 @@ class Plan:
 
 
 def _chat(cfg, rng: random.Random, dists, system: list[int], c: int, turns: int, step: float,
-          prefix: str) -> Plan:
+          prefix: str, namespace: tuple) -> Plan:
     prompt_d, out_d = dists
     history, first, prev = list(system), None, None
     for t in range(turns):
@@ -49,7 +56,8 @@ def _chat(cfg, rng: random.Random, dists, system: list[int], c: int, turns: int,
         prompt = history + user
         n_out = out_d.sample(rng)
         output = [rng.randrange(VOCAB) for _ in range(n_out)]
-        plan = Plan(f"{prefix}c{c}t{t}", c, t, prompt, output, int(step))
+        plan = Plan(f"{prefix}c{c}t{t}", c, t, prompt, output, int(step),
+                    extra_key=namespace[0], cache_salt=namespace[1])
         u = rng.random()
         if n_out >= 2 and u < cfg.abort_frac:
             plan.abort_at = rng.randint(1, n_out - 1)
@@ -72,6 +80,7 @@ def iter_chats(cfg, prefix: str = "") -> Iterator[Plan]:
     can fail. ``cfg.requests`` requests in all; the last chat may have fewer turns.
     """
     rng = random.Random(cfg.seed)
+    names = random.Random(f"namespaces-{cfg.seed}")  # apart: the tokens stay those of the seed
     dists = parse_dist(cfg.prompt_len), parse_dist(cfg.output_len)
     system = [rng.randrange(VOCAB) for _ in range(cfg.system_prompt)]
     step, left, c = 0.0, cfg.requests, 0
@@ -79,9 +88,17 @@ def iter_chats(cfg, prefix: str = "") -> Iterator[Plan]:
         if cfg.arrival_rate > 0 and c:
             step += rng.expovariate(cfg.arrival_rate)
         turns = min(cfg.turns, left)
-        yield _chat(cfg, rng, dists, system, c, turns, step, prefix)
+        yield _chat(cfg, rng, dists, system, c, turns, step, prefix, _namespace(cfg, names))
         left -= turns
         c += 1
+
+
+def _namespace(cfg, names: random.Random) -> tuple:
+    """(extra_key, cache_salt) of a chat: adapter ``lora-I`` for I drawn in 0..lora_adapters (0: the
+    base model, None) and salt ``tenant-J`` for J in 0..cache_salts (0: unsalted, None)."""
+    lora = names.randrange(cfg.lora_adapters + 1) if cfg.lora_adapters else 0
+    salt = names.randrange(cfg.cache_salts + 1) if cfg.cache_salts else 0
+    return (f"lora-{lora}" if lora else None), (f"tenant-{salt}" if salt else None)
 
 
 def make_workload(cfg, prefix: str = "") -> list[Plan]:
@@ -97,10 +114,13 @@ def all_plans(chats):
             p = p.next
 
 
-def kv_ids(tokens: list[int]) -> list[int]:
+def kv_ids(tokens: list[int], namespace: str | None = None) -> list[int]:
     """The rolling prefix digest of every position: the synthetic KV of position ``p`` depends on
-    every token up to and including ``p``, as a real model's does."""
-    out, h = [], _KVID_SEED
+    every token up to and including ``p``, as a real model's does, and on the request's namespace
+    (``hashing.namespace_seed`` of its LoRA id and salt; None: the base model's KV). A LoRA adapter
+    computes other KV for the same tokens; a salt would not, but its KV differs here too, so a page
+    read across namespaces is a mismatch the run counts."""
+    out, h = [], _KVID_SEED if namespace is None else (_KVID_SEED + int(namespace[:15], 16)) % _KVID_MOD
     for t in tokens:
         h = (h * _KVID_MUL + t + 1) % _KVID_MOD
         out.append(h)

@@ -179,3 +179,55 @@ def test_the_allocator_is_asked_about_the_exact_page_of_a_huge_slot_id(slot):
     s, _ = plan(bare_mgr(alloc, page=1), [slot])
     assert s.tolist() == [slot] and alloc.probed == [[slot]]
     assert all(type(p) is int for p in alloc.probed[0])
+
+
+# --- DeviceReads: a device row's counts and the allocator's held pages, on the device ---------------
+
+class _Alloc:
+    """SGLang's allocator as the check sees it: free page ids on the device (page 0 never free)."""
+
+    def __init__(self, free, release=()):
+        self.free_pages = torch.tensor(free, dtype=torch.int64)
+        self.release_pages = torch.tensor(release, dtype=torch.int64)
+
+
+def test_device_reads_count_at_commit_and_uncount_when_the_copy_ends():
+    from lifecycle.slots import DeviceReads
+    from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
+
+    r = SlotsInFlight()
+    ids_ = as_device_resident(torch.arange(8, 16))
+    r.device = dev = DeviceReads(ids_, 4, 64)
+    pages = torch.tensor([2, 3])
+    with no_host_sync():
+        dev.plan(ids_, torch.tensor(False), pages)
+        r.add(7, ids_)
+    assert dev.counts.tolist()[2:4] == [1, 1] and r.total() == 0  # the host table is not involved
+    with no_host_sync():
+        dev.plan(ids_, torch.tensor(True), pages)  # a chunk the check refused: on the spare entry
+        r.add(8, ids_)
+    assert dev.counts[:16].tolist() == [0, 0, 1, 1] + [0] * 12 and int(dev.counts[16]) == 2
+    with no_host_sync():
+        r.remove(7)
+        r.remove(8)
+        r.remove(9)  # unknown: nothing
+    assert int(dev.counts.sum()) == 0
+    with no_host_sync():
+        r.add(10, as_device_resident(torch.arange(4, 8)))  # not the planned tensor: not counted, not read
+    assert int(dev.counts.sum()) == 0
+
+
+def test_the_held_mask_follows_the_allocators_free_lists_and_is_rebuilt_only_when_they_change():
+    from lifecycle.slots import DeviceReads
+
+    dev = DeviceReads(torch.arange(4), 4, 8 * 4)  # pages 0..7
+    alloc = _Alloc([3, 5], release=[6])
+    mask = dev.held(alloc, torch.device("cpu"), 4)
+    assert mask[:8].tolist() == [False, True, True, False, True, False, False, True]  # 0: padding
+    assert dev.held(alloc, torch.device("cpu"), 4) is mask  # same lists: reused
+    alloc.free_pages = alloc.free_pages[1:]  # page 3 allocated (SGLang reassigns a slice)
+    assert dev.held(alloc, torch.device("cpu"), 4)[3]
+    alloc.release_pages[0] = 2  # written in place
+    assert dev.held(alloc, torch.device("cpu"), 4)[:8].tolist() == [False, True, False, True, True, False, True, True]
+    assert dev.held(object(), torch.device("cpu"), 4) is None  # no free lists on the device: not checked
+    assert dev.held(_Alloc([1]), torch.device("meta"), 4) is None  # lists on another device

@@ -45,6 +45,8 @@ BAD = {
     "host pool below one chunk": ["--host-tokens", "16", "--stride", "32"],
     "fractions above 1 together": ["--abort-frac", "0.6", "--retract-frac", "0.6"],
     "bad verify": ["--verify", "some"],
+    "negative LoRA adapter count": ["--lora-adapters", "-1"],
+    "salted tenants not a number": ["--cache-salts", "two"],
     "unknown flag": ["--warp"],
 }
 

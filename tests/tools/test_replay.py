@@ -285,3 +285,49 @@ def test_failed_and_expired_copies():
     r = replay(log.lines())
     assert r.ok, messages(r)
     assert all(c.failed for c in r.chunks.values())
+
+
+def _ends_without_expiry(log, ack, rid="a"):
+    """``log`` plus an ``expired_copy_ended`` for ``ack``; its lines and that event's line."""
+    log.add("expired_copy_ended", rid=rid, ack_id=ack, slots_freed=4)
+    return log.lines(), len(log.events)
+
+
+def test_an_expired_copy_end_for_a_copy_that_landed_and_was_stored_is_refused(tmp_path, capsys):
+    """docs/integration.md: the end of an expired copy is accepted only for a copy the log shows
+    expired. A clean log plus one such end: that line is the only violation, in the replay and in
+    ``kv-lifecycle audit`` (exit 1, the line named)."""
+    from lifecycle_tools.cli import main
+
+    lines, end = _ends_without_expiry(good(), 1)
+    assert messages(replay(lines)) == [(end, "expired copy ack 1 ended but never expired")]
+    path = tmp_path / "log.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["audit", str(path)]) == 1
+    assert f"line {end}: request 'a': expired copy ack 1 ended but never expired" in capsys.readouterr().out
+
+
+def test_an_expired_copy_end_for_a_copy_in_flight_a_failed_copy_or_no_copy_is_refused():
+    in_flight = Log().chunk("a", 1, 8, 12, land=False)
+    failed = Log().chunk("a", 1, 8, 12, land=False)
+    failed.add("copy_failed", rid="a", row=0, gen=0, ack_id=1, start=8, end=12)
+    for log, ack in ((in_flight, 1), (failed, 1), (good(), 7)):
+        lines, end = _ends_without_expiry(log, ack)
+        assert (end, f"expired copy ack {ack} ended but never expired") in messages(replay(lines))
+
+
+def test_an_expired_copy_end_before_its_expiry_or_twice_is_refused():
+    log = Log().chunk("a", 2, 12, 16, land=False)
+    log.add("expired_copy_ended", rid="a", ack_id=2, slots_freed=4)           # line 4: before its expiry
+    log.add("copy_expired", rid="a", row=0, gen=0, ack_id=2, start=12, end=16, slots=4)
+    log.tr("a", "landed", "INFLIGHT", "PREFILLED")
+    log.release("a", 18)
+    msgs = messages(replay(log.lines()))
+    assert (4, "expired copy ack 2 ended but never expired") in msgs
+    assert any(line == 5 and "never ended" in m for line, m in msgs)          # the expiry is then never ended
+    log.add("expired_copy_ended", rid="a", ack_id=2, slots_freed=4)
+    log.add("expired_copy_ended", rid="a", ack_id=2, slots_freed=4)
+    n = len(log.events)
+    assert messages(replay(log.lines())) == [(4, "expired copy ack 2 ended but never expired"),
+                                             (n, f"expired copy ack 2 ended twice (first on line {n - 1})")]
+

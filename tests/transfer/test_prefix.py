@@ -55,6 +55,31 @@ def test_namespace_seed_separates_chains():
     s.close()
 
 
+def test_a_lookup_finds_only_pages_stored_under_its_own_namespace():
+    """The same tokens stored under four namespaces (plain, a LoRA adapter, a salt, both): a
+    lookup and a load from each namespace's seed find that namespace's pages, never another's."""
+    s = build_stack(1, 1, 4, torch.float16, PS, 256, 64, 2, 32)
+    tokens = list(range(12))
+    spaces = [(None, None), ("lora-1", None), (None, "tenant"), ("lora-1", "tenant")]
+    seeds = [hashing.namespace_seed(k, c) for k, c in spaces]
+    src = {}                                       # namespace seed -> the device slots its KV came from
+    for i, seed in enumerate(seeds[1:]):           # every namespace but the plain one holds pages
+        src[seed] = store_request(s, i + 1, tokens, seed)
+    assert s.prefix_loader.lookup(tokens) == []    # the plain namespace holds none
+    for seed in seeds[1:]:
+        assert s.prefix_loader.lookup(tokens, seed) == hashing.page_hashes(tokens, PS, seed)
+    src[None] = store_request(s, 9, tokens)
+    assert s.prefix_loader.lookup(tokens) == hashing.page_hashes(tokens, PS)
+    for i, seed in enumerate(seeds):
+        assert s.prefix_loader.start(10 + i, tokens, seed) == 3
+        (done,) = drain(s.prefix_loader.finished, 1)
+        assert done.page_hashes == hashing.page_hashes(tokens, PS, seed) and done.error is None
+        assert torch.equal(s.kv_pool.read(done.device_indices).view(torch.uint8),    # its own KV
+                           s.kv_pool.read(src[seed]).view(torch.uint8))
+        s.allocator.free(done.device_indices)
+    s.close()
+
+
 def lose_last_page_on_read(s):
     """Make every storage read first delete the batch's last page (lost between lookup and read);
     return the real ``batch_get``."""
