@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check (bench/gpu_check.py): on a machine with one NVIDIA GPU, every CUDA test, the
 # sync-debug suite, a bit-exact D2H/H2D round trip (MHA/MLA, bf16/fp8), `kv-lifecycle simulate
-# --device cuda --verify all` and the D2H throughput against a pinned copy_, one line per item,
-# in a few minutes. Without a GPU it says so and exits 3.
+# --device cuda --verify all`, the D2H throughput against a pinned copy_, and SGLang's decode
+# offload over a 64-layer MHA stack (offload with 200 ms queued, a chunk's launches, retract and
+# resume under the staging cap, a repeated page refused, our own copy stream, a held copy at
+# shutdown and exit), one line per item, within 8 minutes. Without a GPU it says so and exits 3.
 #
 #   bash bench/gpu_check.sh            # uses .venv/bin/python, else $PYTHON, else python3
 #   bash bench/gpu_check.sh --quick    # fewer simulate requests and throughput repeats
+#   bash bench/gpu_check.sh --list     # the items (no GPU needed)
 #
 # First time on a machine (network needed; a CUDA build of torch, not the README's CPU pin):
 #   python3 -m venv .venv && .venv/bin/pip install -q torch -e '.[test]'

@@ -1,24 +1,155 @@
 """Copy engines: run chunk copies between the device KV pool and host pages without blocking.
 
-``CpuCopyEngine`` runs copies on worker threads. ``CudaCopyEngine`` launches them on a dedicated
-copy stream that first waits on the compute stream, and detects completion by querying CUDA
-events (never synchronizing the caller). Both report finished tags through ``poll``, possibly out
+``CpuCopyEngine`` runs copies on worker threads. ``CudaCopyEngine`` launches them on a copy
+stream of its own (``OwnStream``: created outside PyTorch's stream pool, so never one of SGLang's
+streams; destroyed once the engine is closed and drained) that first waits on the compute stream,
+and detects completion by querying CUDA events (never synchronizing the caller). Both report finished tags through ``poll``, possibly out
 of submission order, each exactly once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from transfer.gather import ChunkCopy, Staging
+from transfer.gather import DEFAULT_STAGING_BYTES, ChunkCopy, Staging, check_staging_bytes
 from transfer.host_pool import HostPool
 from transfer.kv_pool import KVPool
 from transfer.worker import BackgroundWorker, Done
 from transfer.errors import Closed, DeviceMismatch
+from transfer.log import get_logger
+
+log = get_logger(__name__)
+
+#: ``cudaStreamNonBlocking`` / ``CU_STREAM_NON_BLOCKING``: no implicit ordering with the legacy
+#: default stream (what PyTorch's pool streams are created with)
+NON_BLOCKING = 1
+
+
+class StreamApi:
+    """Create and destroy a CUDA stream outside PyTorch's stream pool, through ctypes: the CUDA
+    runtime torch loaded (``cudaStreamCreateWithFlags`` / ``cudaStreamDestroy``), else the driver
+    (``cuStreamCreate`` / ``cuStreamDestroy_v2``). A stream so made is the caller's alone: PyTorch
+    hands out its own streams round-robin from a pool of 32 per priority, so a second
+    ``torch.cuda.Stream()`` in the process (SGLang's forward, result-copy and schedule streams are
+    three) can be the same stream.
+
+    Args:
+        lib: the loaded library (``ctypes.CDLL``, or a stand-in with the same two functions).
+        driver: ``lib`` is libcuda (the driver API), not libcudart.
+    """
+
+    def __init__(self, lib, driver: bool = False) -> None:
+        self.lib, self.driver = lib, driver
+        self.name = "cuStreamCreate" if driver else "cudaStreamCreateWithFlags"
+
+    def create(self, flags: int = NON_BLOCKING) -> int:
+        """A new stream on the current device; its handle.
+
+        Raises:
+            RuntimeError: the call failed (its return code).
+        """
+        handle = ctypes.c_void_p()
+        fn = self.lib.cuStreamCreate if self.driver else self.lib.cudaStreamCreateWithFlags
+        rc = int(fn(ctypes.byref(handle), ctypes.c_uint(flags)))
+        if rc != 0 or not handle.value:
+            raise RuntimeError(f"{self.name} failed (rc={rc})")
+        return int(handle.value)
+
+    def destroy(self, handle: int) -> int:
+        """Destroy stream ``handle``; the call's return code (0: destroyed)."""
+        fn = self.lib.cuStreamDestroy_v2 if self.driver else self.lib.cudaStreamDestroy
+        return int(fn(ctypes.c_void_p(handle)))
+
+
+def stream_api() -> StreamApi | None:
+    """The ``StreamApi`` of this process's CUDA (the runtime torch loaded, found in
+    ``/proc/self/maps``, else ``libcuda.so.1``); None without a usable CUDA or either library."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.init()  # torch's libcudart loaded and the device's context current
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line and "/" in line})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+            if hasattr(lib, "cudaStreamCreateWithFlags") and hasattr(lib, "cudaStreamDestroy"):
+                return StreamApi(lib)
+        except OSError:
+            continue
+    try:
+        return StreamApi(ctypes.CDLL("libcuda.so.1"), driver=True)
+    except OSError:
+        return None
+
+
+class OwnStream:
+    """The copy engine's stream: created outside PyTorch's pool (``StreamApi``, non-blocking) on
+    ``device`` and wrapped as a ``torch.cuda.ExternalStream``; destroyed by ``close`` (the engine
+    calls it once every copy on it has finished). Without a ``StreamApi`` (or if creating fails):
+    a stream from PyTorch's pool, with a warning (it may be one SGLang also uses).
+
+    Args:
+        device: the CUDA device.
+        api: how to create and destroy it (default ``stream_api()``).
+        wrap: ``(handle, device) -> stream`` (default ``torch.cuda.ExternalStream``).
+        pool: ``device -> stream``, the fallback (default ``torch.cuda.Stream``).
+    """
+
+    def __init__(self, device: torch.device | str, api: StreamApi | None = None,
+                 wrap: Callable[[int, torch.device], Any] | None = None,
+                 pool: Callable[[torch.device], Any] | None = None) -> None:
+        self.device = torch.device(device)
+        self.api = api if api is not None else stream_api()
+        self.handle: int | None = None
+        self.destroyed = False
+        why = "no CUDA runtime to create one with" if self.api is None else None
+        if self.api is not None:
+            try:
+                with _on_device(self.device):
+                    self.handle = self.api.create(NON_BLOCKING)
+            except (RuntimeError, OSError, AttributeError) as err:
+                why = str(err)
+        if self.handle is None:
+            log.warning("copy_engine.pool_stream", device=str(self.device), reason=why,
+                        risk="a pool stream may be one SGLang's scheduler also uses")
+            self.stream = (pool or torch.cuda.Stream)(self.device)
+            return
+        self.stream = (wrap or _external)(self.handle, self.device)
+
+    @property
+    def own(self) -> bool:
+        """Whether the stream is ours (not from PyTorch's pool)."""
+        return self.handle is not None
+
+    def close(self) -> None:
+        """Destroy the stream (ours only; idempotent). Only once nothing is queued on it and no
+        tensor can still record an event on it: the engine calls it once drained."""
+        if self.handle is None or self.destroyed:
+            return
+        self.destroyed = True
+        rc = self.api.destroy(self.handle)
+        if rc != 0:
+            log.warning("copy_engine.stream_destroy_failed", rc=rc, handle=self.handle)
+
+
+def _on_device(device: torch.device):
+    """The context that makes ``device`` current (a no-op without CUDA: the stand-in tests)."""
+    import contextlib
+
+    cuda = device.type == "cuda" and torch.cuda.is_available()
+    return torch.cuda.device(device) if cuda else contextlib.nullcontext()
+
+
+def _external(handle: int, device: torch.device):
+    return torch.cuda.ExternalStream(handle, device=device)
 
 
 class CpuCopyEngine:
@@ -101,17 +232,23 @@ class CudaCopyEngine:
 
     Args:
         device: the CUDA device of the KV pool.
+        staging_bytes: the most bytes the copy stream's staging buffer holds (``gather.Staging``: a
+            larger chunk is copied in pieces that fit; at least one page).
     Raises:
         RuntimeError: CUDA is not available.
+        ValueError: ``staging_bytes`` is not a positive int.
     """
 
-    def __init__(self, device: torch.device | str = "cuda") -> None:
+    def __init__(self, device: torch.device | str = "cuda", staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        check_staging_bytes(staging_bytes)
         if not torch.cuda.is_available():
             raise RuntimeError("CudaCopyEngine needs CUDA")
         self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(self.device)
-        #: the copy stream's one staging buffer (only ever used on ``stream``)
-        self.staging_buffer = Staging(self.device)
+        #: the copy stream: our own, not from PyTorch's pool (``OwnStream``); destroyed once closed and drained
+        self._own_stream = OwnStream(self.device)
+        self.stream = self._own_stream.stream
+        #: the copy stream's one staging buffer (only ever used on ``stream``), within its budget
+        self.staging_buffer = Staging(self.device, staging_bytes)
         # (tag, event, (the launch, what it returned), launch error): held until the event fires
         self._inflight: list[tuple[Any, torch.cuda.Event, tuple, BaseException | None]] = []
         self._closed = False
@@ -155,14 +292,13 @@ class CudaCopyEngine:
     def _launch(self, make: Callable[[], Any], method: str, inputs: tuple = ()) -> Callable[[], Any]:
         """A launch that builds its plan on the copy stream (``make``) and runs ``method``; the
         plan is held by the closure from the moment it exists, so a launch failing half way keeps
-        what it queued alive until the event. ``inputs`` (tensors made on another stream) are
-        marked used on the copy stream (``record_stream``)."""
+        what it queued alive until the event. ``inputs`` (tensors made on another stream) are held
+        by the closure as well, until the event: no ``record_stream`` on the copy stream (a tensor
+        so marked records an event on it when freed, which would outlive the stream's ``close``)."""
         held: list = []
 
         def go() -> Any:
-            for t in inputs:
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(self.stream)
+            held.append(inputs)
             plan = make()
             held.append(plan)
             getattr(plan, method)()
@@ -197,6 +333,8 @@ class CudaCopyEngine:
                 check = getattr(plan, "landed_error", None)
                 error = check() if check is not None else None
             out.append(Done(tag, error=error))
+        if self._closed:
+            self._drained()
         return out
 
     def unfinished(self) -> list:
@@ -218,13 +356,21 @@ class CudaCopyEngine:
         self._closed = True
         if timeout is None:
             self.stream.synchronize()
+            self._drained()
             return True
         deadline = time.monotonic() + timeout
         while self.unfinished():
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.001)
+        self._drained()
         return True
+
+    def _drained(self) -> None:
+        """Closed and every copy's event fired: nothing will use the copy stream again; destroy it
+        (``poll`` calls this too, for a close that timed out)."""
+        if self._closed and not any(not e.query() for _, e, _, _ in self._inflight):
+            self._own_stream.close()
 
 
 def _cuda_index(device: torch.device) -> int:

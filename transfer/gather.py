@@ -4,9 +4,10 @@ Both pools are viewed as "rows" of one (kind, layer, token) each, ``heads * head
 wide, reinterpreted as the widest integer type that divides a row (dtype-agnostic, fp8 included).
 
 * CUDA: one device ``index_select`` (a flat row index in host order ``(page, kind, token, layer)``)
-  into the copy stream's staging buffer (``Staging``: allocated once, grown to the largest chunk,
-  never per chunk), then one async D2H copy per run of consecutive host pages (and the reverse for
-  loads): one gather launch per chunk.
+  into the copy stream's staging buffer (``Staging``: never allocated per chunk, never larger than
+  its budget, or one page when a page is larger), then one async D2H copy per run of consecutive
+  host pages (and the reverse for loads): one gather launch per chunk, or per piece of a chunk
+  larger than the budget (split into whole pages that fit, through the same buffer).
 * CPU, device -> host: one ``index_select`` of whole device pages (``[kind, layer, page, token]``
   blocks) per run of consecutive host pages, written straight into the host pages through a
   permuted view: one op per chunk when its host pages are consecutive (the host pool hands out
@@ -67,6 +68,55 @@ def landed_error(flag: torch.Tensor | None, end: int):
         return None
     return BadIndices(f"device indices are not whole, page-aligned pages inside 0..{end - 1}: "
                       f"the copy moved nothing worth keeping")
+
+
+def check_chunk_on_device(ids: torch.Tensor, page_size: int, end: int | None, reads: torch.Tensor | None = None,
+                          held: torch.Tensor | None = None, held_page: int | None = None):
+    """What ``lifecycle.slots.check_slots`` checks of a host row's chunk, for a chunk whose slot ids
+    live on the device, without reading them on the host: its pages are distinct, none is read by
+    a copy in flight (``reads``), and the allocator holds every one (``held``). That the ids are
+    whole aligned pages inside the pool is the copy's own check (``check_on_device``), so a page is
+    named here by its first slot.
+
+    Every shape is static (a sort and neighbour compares, gathers, reductions to one element; no
+    ``.item()``, no boolean indexing): nothing waits for the device. Issued on the current stream.
+
+    Args:
+        ids: the chunk's int64 slot ids on the device, a whole number of pages.
+        page_size: slots per page (of the copy, and of ``reads``).
+        end: the pool's slot count; a page is clamped into ``0 .. end-1`` before any gather
+            (None: unknown; then neither ``reads`` nor ``held`` may be given).
+        reads: per page of the pool (``(end - 1) // page_size + 1`` counts), the copies in flight
+            reading it; None: not checked.
+        held: per allocator page (``held_page`` slots each; at least ``(end - 1) // held_page + 1``
+            entries), True when the allocator holds it; None: not checked.
+        held_page: the allocator's page (divides ``page_size``); required with ``held``.
+    Returns:
+        ``(bad, pages)``: a 0-dim bool tensor on the device (True: refuse the chunk) and the chunk's
+        page ids (int64, clamped into the pool), one per page in order.
+    """
+    first = ids[::page_size]
+    if end is not None:
+        first = first.clamp(0, end - 1)
+    pages = first // page_size if page_size > 1 else first
+    bad = None
+    if pages.shape[0] > 1:  # one page cannot be listed twice (a decode chunk's usual size)
+        ordered = torch.sort(pages).values
+        bad = (ordered[1:] == ordered[:-1]).any()  # a page listed twice
+    if reads is not None:
+        busy = reads.index_select(0, pages).any()  # a page another copy in flight reads
+        bad = busy if bad is None else bad | busy
+    if held is not None:
+        if held_page == page_size:
+            owned = pages
+        else:  # every allocator page of each page
+            owned = ((first // held_page).view(-1, 1)
+                     + torch.arange(page_size // held_page, device=ids.device)).reshape(-1).clamp(max=held.shape[0] - 1)
+        owns = held.index_select(0, owned).all()  # False: a page the allocator does not hold
+        bad = torch.where(owns, bad, True) if bad is not None else ~owns
+    if bad is None:
+        bad = torch.zeros((), dtype=torch.bool, device=ids.device)
+    return bad, pages
 
 
 #: what ``check_ids_on_device`` writes, in order: counts of negative, out-of-range (at or past
@@ -175,28 +225,89 @@ def pair_views(kv: KVPool, host: HostPool) -> _Views:
     return views
 
 
+#: default bytes of a copy stream's device staging buffer (``Staging``); ``KV_LIFECYCLE_SGLANG_STAGING_MIB``
+#: sets it for SGLang, ``staging_bytes=`` for the engines
+DEFAULT_STAGING_BYTES = 16 << 20
+
+
+def check_staging_bytes(budget_bytes) -> int:
+    """``budget_bytes`` if it is a positive int, else ``ValueError``."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 1:
+        raise ValueError(f"staging budget must be a positive number of bytes, got {budget_bytes!r}")
+    return budget_bytes
+
+
 class Staging:
-    """One device staging buffer per copy stream, reused by every chunk copy on that stream and
-    grown (never shrunk) to the largest chunk seen: no allocation per chunk. Reuse is safe because
-    every use is on the one stream: a chunk's gather into the buffer is queued after the previous
-    chunk's device -> host copy out of it.
+    """One device staging buffer per copy stream, reused by every chunk copy on that stream: no
+    allocation per chunk, and never more than ``budget_bytes`` (or one page, when one page is
+    larger): a chunk that does not fit is copied in pieces of whole pages (``pieces``) through the
+    same buffer. Allocated on first use and grown (never shrunk) up to the largest piece seen.
+    Reuse is safe because every use is on the one stream: a piece's gather into the buffer is
+    queued after the previous piece's device -> host copy out of it; a plan keeps the buffer it
+    used alive until its copy's event fired, so a grown buffer never frees one still in flight.
 
     Args:
         device: where the buffer lives (the KV pool's device).
+        budget_bytes: the most bytes the buffer holds (at least one page is always allowed).
+    Raises:
+        ValueError: ``budget_bytes`` is not a positive int (nothing allocated).
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, budget_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.budget_bytes = check_staging_bytes(budget_bytes)
         self.device = torch.device(device)
         self._buf: torch.Tensor | None = None
+        self._views: dict = {}  # views of the current buffer built once (``cached``)
         self.grown = 0  # times a larger buffer was allocated
+        self.peak_bytes = 0  # the largest buffer ever allocated
 
-    def take(self, rows: int, width: int, word: torch.dtype) -> torch.Tensor:
-        """A ``[rows, width]`` view of the buffer as ``word`` (contents undefined)."""
+    def pages_per_copy(self, page_bytes: int) -> int:
+        """Whole pages of ``page_bytes`` that one piece holds: ``budget // page_bytes``, at least 1."""
+        return max(1, self.budget_bytes // page_bytes)
+
+    def pieces(self, n_pages: int, page_bytes: int) -> list[tuple[int, int]]:
+        """A chunk of ``n_pages`` split into pieces that fit: ``(first position, pages)``."""
+        step = self.pages_per_copy(page_bytes)
+        return [(pos, min(step, n_pages - pos)) for pos in range(0, n_pages, step)]
+
+    def take(self, rows: int, width: int, word: torch.dtype, page_bytes: int | None = None) -> torch.Tensor:
+        """A ``[rows, width]`` view of the buffer as ``word`` (contents undefined).
+
+        Raises:
+            ValueError: more bytes than the budget (or than one ``page_bytes`` page, when larger);
+                use ``pieces``.
+        """
         nbytes = rows * width * torch.empty((), dtype=word).element_size()
+        if nbytes > max(self.budget_bytes, page_bytes or 0):
+            raise ValueError(f"{nbytes} staging bytes asked for, over the {self.budget_bytes}-byte budget "
+                             f"(split the copy: Staging.pieces)")
         if self._buf is None or self._buf.numel() < nbytes:
             self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._views.clear()
             self.grown += 1
+            self.peak_bytes = max(self.peak_bytes, nbytes)
         return self._buf[:nbytes].view(word).view(rows, width)
+
+    def cached(self, key, build):
+        """``build()`` once per ``key`` while the buffer stays the same (views of it reused by every
+        chunk of the same shape); a grown buffer drops them."""
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= 64:  # piece shapes are few (the stride, the remainders): bound it anyway
+                self._views.clear()
+            views = self._views[key] = build()
+        return views
+
+
+def piece_runs(runs: list[tuple[int, int, int]], pos: int, n: int) -> list[tuple[int, int, int]]:
+    """The parts of host-page ``runs`` (``page_runs``) inside chunk positions ``pos .. pos+n-1``:
+    ``(position in the piece, first host page, length)``."""
+    out = []
+    for r_pos, first, length in runs:
+        lo, hi = max(r_pos, pos), min(r_pos + length, pos + n)
+        if lo < hi:
+            out.append((lo - pos, first + lo - r_pos, hi - lo))
+    return out
 
 
 class ChunkCopy:
@@ -206,15 +317,17 @@ class ChunkCopy:
     Two ways. *Direct* (CPU pools, copy worker): the page ids and runs are worked out by
     ``to_host`` / ``to_device`` and the data moves through permuted views, no staging. *Staged*
     (CUDA; on the CPU when a ``Staging`` is given, which tests use to run the CUDA path's logic): a
-    device row index in host order is built here, on the current stream (the copy stream), then one
-    gather into the staging buffer and one async copy per run of consecutive host pages. The plan
-    holds every tensor it launched with until the caller drops it after the copy's event.
+    device row index in host order is built here, on the current stream (the copy stream), then per
+    piece of the chunk that fits the staging budget (``Staging.pieces``; one piece for a chunk
+    within it) one gather into the staging buffer and one async copy per run of consecutive host
+    pages. The plan holds every tensor it launched with until the caller drops it after the copy's
+    event.
 
     Args:
         check_end: when given, the slot ids must be whole aligned pages inside ``0 .. check_end-1``;
             direct: checked here (``BadIndices``); staged: checked on the device, the verdict read
             by ``landed_error`` after the copy's event (a bad chunk moves harmless clamped rows).
-        staging: the engine's ``Staging`` (None on CUDA: a buffer allocated for this plan).
+        staging: the engine's ``Staging`` (None on CUDA: one of the default budget for this plan).
     """
 
     def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
@@ -224,8 +337,8 @@ class ChunkCopy:
         self.views = pair_views(kv, host)
         self.rows_per_page = kv.kinds * host.page_size * kv.layers
         self.staging: torch.Tensor | None = None
-        self.pool = staging
         self.cuda = kv.device.type == "cuda" or staging is not None  # the staged path
+        self.pool = staging if staging is not None or not self.cuda else Staging(kv.device)
         self.check_end, self.ok = check_end, None
         if self.cuda:
             index = slots.to(kv.device, dtype=torch.int64, non_blocking=True)
@@ -237,20 +350,20 @@ class ChunkCopy:
             self.slots = as_index_tensor(slots, "device indices")
             pages_of_slots(self.slots.numpy(), host.page_size, "device indices", check_end)
 
-    def _stage(self) -> torch.Tensor:
-        rows, width, word = self.index.numel(), self.views.dev_rows.shape[1], self.views.dev_rows.dtype
-        if self.pool is not None:
-            return self.pool.take(rows, width, word)
-        return torch.empty((rows, width), dtype=word, device=self.kv.device)
+    def _pieces(self):
+        """Per piece of the chunk within the staging budget: its staging rows (a view of the one
+        buffer), its slice of the row index, and its host-page runs as row slices (staging, host)."""
+        rpp, width, word = self.rows_per_page, self.views.dev_rows.shape[1], self.views.dev_rows.dtype
+        page_bytes = rpp * width * self.views.dev_rows.element_size()
+        for pos, n in self.pool.pieces(self.index.numel() // rpp, page_bytes):
+            buf = self.pool.take(n * rpp, width, word, page_bytes)
+            runs = [(slice(at * rpp, (at + length) * rpp), slice(first * rpp, (first + length) * rpp))
+                    for at, first, length in piece_runs(self.runs, pos, n)]
+            yield buf, self.index[pos * rpp:(pos + n) * rpp], runs
 
     def landed_error(self):
         """Once the copy's event has fired: the ``BadIndices`` its device-side check found, or None."""
         return landed_error(self.ok, self.check_end)
-
-    def _run_slices(self):
-        rpp = self.rows_per_page
-        for pos, first, length in self.runs:
-            yield slice(pos * rpp, (pos + length) * rpp), slice(first * rpp, (first + length) * rpp)
 
     def _dev_page_ids(self) -> torch.Tensor:
         ps = self.host.page_size
@@ -259,13 +372,15 @@ class ChunkCopy:
     def to_host(self) -> None:
         """Device -> host. CPU: one ``index_select`` of whole device pages per run of consecutive
         host pages (usually one per chunk), written straight into the host pages through a
-        permuted view. CUDA: one device gather, then async D2H per run (current stream)."""
+        permuted view. CUDA: per piece within the staging budget, one device gather, then async D2H
+        per run (current stream)."""
         v = self.views
         if self.cuda:
-            self.staging = self._stage()
-            torch.index_select(v.dev_rows, 0, self.index, out=self.staging)  # one gather launch
-            for src, dst in self._run_slices():
-                v.host_rows[dst].copy_(self.staging[src], non_blocking=True)
+            for buf, index, runs in self._pieces():
+                torch.index_select(v.dev_rows, 0, index, out=buf)  # one gather launch
+                for src, dst in runs:
+                    v.host_rows[dst].copy_(buf[src], non_blocking=True)
+                self.staging = buf  # the buffer stays alive until the copy's event fired
             return
         dev = self._dev_page_ids()
         for pos, first, n in page_runs(self.host_pages):
@@ -274,13 +389,15 @@ class ChunkCopy:
 
     def to_device(self) -> None:
         """Host -> device. CPU: one strided copy per run of pages consecutive on both sides.
-        CUDA: async H2D per run into staging, then one device scatter."""
+        CUDA: per piece within the staging budget, async H2D per run into staging, then one device
+        scatter."""
         v = self.views
         if self.cuda:
-            self.staging = self._stage()
-            for src, dst in self._run_slices():
-                self.staging[src].copy_(v.host_rows[dst], non_blocking=True)
-            v.dev_rows.index_copy_(0, self.index, self.staging)
+            for buf, index, runs in self._pieces():
+                for src, dst in runs:
+                    buf[src].copy_(v.host_rows[dst], non_blocking=True)
+                v.dev_rows.index_copy_(0, index, buf)
+                self.staging = buf
             return
         dev, host = self._dev_page_ids().tolist(), self.host_pages.tolist()
         for pos, first, n in page_runs(host):

@@ -490,7 +490,8 @@ class HostOffloader:
         if not report.clean:
             log.error("offloader.close_timed_out", timeout=timeout, in_flight_writes=len(report.abandoned_writes),
                       in_flight_storage=len(report.abandoned_storage), abandoned_writes=report.abandoned_writes,
-                      host_pages=report.host_pages, device_slots=len(report.device_slots),
+                      host_pages=report.host_pages,
+                      device_slots=len(report.device_slots) + report.device_slots_unread,
                       reason=report.reason)
         return report
 
@@ -500,11 +501,16 @@ class HostOffloader:
         if not stuck and not ops:
             return CloseReport(clean=True, timeout=timeout)
         host = sorted(p for t in stuck for p in self._writes[t][0])
-        dev = sorted({s for t in stuck for s in self._writes[t][1].tolist()})  # at close: may read the device
+        ids = [self._writes[t][1] for t in stuck]
+        # slot ids on a device are never read here (a read waits for the device, which may be what
+        # is stuck, and can raise): counted, not listed
+        dev = sorted({s for t in ids if on_host(t) for s in t.tolist()})
+        unread = sum(t.numel() for t in ids if not on_host(t))
         busy = sorted({p for t in ops for p in self._ops[t]})
+        on_dev = f" (and {unread} slot ids on the device, not read)" if unread else ""
         reason = (f"close timed out after {timeout}s: {len(stuck)} device->host copies and {len(ops)} "
-                  f"storage ops still running (cannot be cancelled); device slots {len(dev)} stay "
+                  f"storage ops still running (cannot be cancelled); device slots {len(dev)}{on_dev} stay "
                   f"quarantined (a copy may still read them), host pages {host + busy} are never "
                   f"returned to the pool")
         return CloseReport(clean=False, timeout=timeout, abandoned_writes=stuck, device_slots=dev,
-                           host_pages=host, abandoned_storage=ops, reason=reason)
+                           host_pages=host, abandoned_storage=ops, reason=reason, device_slots_unread=unread)

@@ -6,8 +6,10 @@ same bytes SGLang's ``MHATokenToKVPoolHost.get_data_page(index, flat=True)`` yie
 ``page_first`` (``kv_buffer[:, index:index+page_size]`` of a ``(2, size, layers, heads, dim)``
 buffer) and ``MLATokenToKVPoolHost`` yields for ``(size, layers, 1, dim)``. Pinned when CUDA is
 available: the exact buffer registered with ``cudaHostRegister`` (as SGLang does), unregistered on
-``close``; a pool that cannot be pinned raises ``PinningFailed`` unless the caller allows pageable
-memory (``allow_pageable=True``: then a warning, and pageable memory).
+``close`` or when the pool is collected unclosed, never at interpreter exit nor after
+``keep_pinned`` (a copy abandoned at shutdown may still write into it); a pool that cannot be
+pinned raises ``PinningFailed`` unless the caller allows pageable memory
+(``allow_pageable=True``: then a warning, and pageable memory).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from transfer.log import get_logger
 from transfer.page_set import PageSet
 
 log = get_logger(__name__)
+
+#: host pools kept pinned under an abandoned copy (``HostPool.keep_pinned``): alive until exit
+_KEPT: list = []
 
 
 def _cudart():
@@ -117,8 +122,13 @@ class HostPool:
         self.buffer, self.pinned = _host_buffer(
             (self.num_pages, self.kinds, page_size, layers, heads, head_dim), dtype, pin, allow_pageable
         )
-        # unregistered on close, or when the pool is collected (before its buffer is freed)
+        # unregistered on close, or when the pool is collected (before its buffer is freed); never
+        # at interpreter exit: a copy abandoned at shutdown may still write into it then, and the
+        # process's end releases the registration anyway
         self._unpin = (weakref.finalize(self, _unregister, self.buffer) if self.pinned else None)
+        if self._unpin is not None:
+            self._unpin.atexit = False
+        self.kept = False  # keep_pinned(): pinned and alive until the process ends
         self.page_nbytes = self.buffer[0].numel() * self.buffer.element_size()
         self.row_bytes = heads * head_dim * self.buffer.element_size()
         self._pages = PageSet(self.num_pages)
@@ -195,7 +205,20 @@ class HostPool:
     def close(self) -> None:
         """Unpin the buffer (``cudaHostUnregister``) once nothing copies into it any more (the
         offloader and prefix loader are closed). Idempotent; the pool's memory stays readable,
-        pageable from now on."""
-        if self._unpin is not None:
+        pageable from now on. After ``keep_pinned`` it does nothing."""
+        if self._unpin is not None and not self.kept:
             self._unpin()
             self.pinned = False
+
+    def keep_pinned(self) -> None:
+        """A copy abandoned at shutdown may still write into the buffer (one cannot be cancelled):
+        keep it pinned and allocated until the process ends. ``close`` does nothing from now on,
+        the pool is never unpinned when collected nor at interpreter exit, and the pool is held
+        by this module so its memory is never freed under the copy. Idempotent; a pageable pool is
+        held too (its memory may be the copy's destination all the same)."""
+        if self.kept:
+            return
+        self.kept = True
+        if self._unpin is not None:
+            self._unpin.detach()
+        _KEPT.append(self)

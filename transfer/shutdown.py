@@ -25,6 +25,7 @@ class CloseReport(msgspec.Struct):
             deadline. Each may still be reported by ``finished_writes`` if its copy ever ends.
         device_slots: device token slots those copies may still read: the caller must keep them
             allocated (quarantined) until the copy is reported, or for the process's lifetime.
+            Slot ids held on a device are not read at close (``device_slots_unread`` counts them).
         host_pages: host pages those copies may still write: never returned to the host pool.
         abandoned_storage: op ids of host -> storage ops still queued or running; their host
             pages stay busy (``free_host`` refuses them) until ``finished_storage`` reports them.
@@ -32,6 +33,8 @@ class CloseReport(msgspec.Struct):
             (``Storage.close``: e.g. a file write stuck in a hung filesystem call); the tier may
             still create those pages if the call ever returns.
         reason: one line saying what was abandoned and why ("" when clean).
+        device_slots_unread: how many slot ids of abandoned copies live on a device: not read at
+            close (a read would wait for the device) and so not listed in ``device_slots``.
     """
 
     clean: bool
@@ -42,6 +45,7 @@ class CloseReport(msgspec.Struct):
     abandoned_storage: list[int] = msgspec.field(default_factory=list)
     reason: str = ""
     abandoned_pages: list[str] = msgspec.field(default_factory=list)
+    device_slots_unread: int = 0
 
 
 def check_timeout(timeout: float | None) -> None:

@@ -65,6 +65,8 @@ class TransferStack:
                                              reason="; ".join(filter(None, [report.reason, why])))
         if report.clean:  # nothing copies into or stores from the host pool any more: unpin it
             self.host_pool.close()
+        else:  # an abandoned copy may still write into it: pinned and alive until the process ends
+            self.host_pool.keep_pinned()
         return report
 
 

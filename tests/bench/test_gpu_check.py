@@ -39,3 +39,34 @@ def test_pytest_summary_counts():
     assert _counts("...\n3 passed, 1 skipped, 2 deselected in 4.2s\n") == {"passed": 3, "skipped": 1, "deselected": 2}
     assert _counts("1 failed, 9 passed in 1s") == {"failed": 1, "passed": 9}
     assert _counts("") == {}
+
+
+def test_every_point_of_issue_34_has_an_item_and_list_prints_them_without_a_gpu():
+    """The script imports, names an item for each of issue 34's points (a 64-layer SGLang stack,
+    offload timed with work queued, a chunk's launches, retract and resume under the staging cap, a
+    repeated page, the stream, a held copy at shutdown), and ``--list`` prints every item (exit 0).
+    The items themselves need a GPU: they cannot run here."""
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_check
+
+    assert list(gpu_check.SGLANG_ITEMS) == ["offload queued", "chunk launches", "retract resume", "repeated page",
+                                            "own stream", "held copy exit"]
+    assert set(gpu_check.SGLANG_ITEMS) <= set(gpu_check.ITEMS)
+    for item in gpu_check.ITEMS:
+        assert f"``{item}``" in gpu_check.__doc__, item
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--list"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == ""
+    listed = [ln.split("|")[1].strip() for ln in out.stdout.splitlines()]
+    assert listed == list(gpu_check.ITEMS)
+
+
+def test_the_held_copy_item_fails_on_a_raise_an_unpin_or_an_unregister_at_exit():
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_check import held_copy_verdict
+
+    assert held_copy_verdict(0, "raised no\npinned True abandoned 1\n")
+    assert not held_copy_verdict(0, "raised no\npinned True abandoned 1\nunregister at-exit\n")
+    assert not held_copy_verdict(0, "raised RuntimeError('x')\npinned True abandoned 1\n")
+    assert not held_copy_verdict(0, "unregister during-run\nraised no\npinned False abandoned 1\n")
+    assert not held_copy_verdict(1, "raised no\npinned True abandoned 1\n")

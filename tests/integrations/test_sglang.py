@@ -585,3 +585,39 @@ def test_a_request_aborted_while_retracted_after_the_wait_expired_is_not_a_leak(
     assert (stats.leaked, stats.released, stats.tracked) == (0, 1, 0)
     assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
     mgr.release_host_resources()
+
+
+def test_shutdown_with_an_abandoned_copy_leaves_the_host_pool_pinned_even_at_exit(tmp_path):
+    """Issue 35, point 13: ``release_host_resources`` with a copy still in flight (it never
+    reports) neither closes nor unpins the pinned host pool under it — not at shutdown, not at
+    interpreter exit (the pool's ``cudaHostUnregister`` is a stand-in that prints when it runs, in
+    a process of its own). The control: with the copy landed, the pool is unpinned once, at
+    shutdown."""
+    from tests.support.pinned_exit import run
+
+    assert run("sglang-abandoned", tmp_path) == ["pinned True", "end of run"]
+    assert run("sglang-clean", tmp_path) == ["unregister during-run", "pinned False", "end of run"]
+
+
+def test_release_host_resources_is_one_bound_even_with_a_storage_write_hung_in_the_filesystem(
+        kit, store_dir, monkeypatch):
+    """The bound is the whole call's: the drain, the offloader's close and the store's close share one
+    deadline. A page write hung in the filesystem (a FIFO where the store opens its temporary file)
+    once cost the bound, then the file tier's own 10 s close wait on top of it."""
+    import time
+
+    from tests.support.hung_fs import HungWrite
+
+    bound = 2.0
+    node = Node(kit, page_size=4)
+    mgr = build(node)
+    req = _a_finished_request_with_a_copy_accepted(node, mgr, "hung")
+    (name, _), = expected_pages(node, req, mgr.offload_stride)
+    hung = HungWrite(mgr.storage, name + hicache_file_suffix(MODEL, 0, 1, False), monkeypatch)
+    start = time.monotonic()
+    mgr.release_host_resources(timeout_s=bound)
+    took = time.monotonic() - start
+    hung.release()
+    assert took < bound + 3.0, f"release_host_resources(timeout_s={bound}) took {took:.2f} s"
+    assert mgr.stats().abandoned == 1 and len(mgr.ongoing_offload) == 0
+    assert os.listdir(store_dir) == []

@@ -28,7 +28,7 @@ def store_dir(tmp_path, monkeypatch):
     for var in ("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE",
                 "SGLANG_HICACHE_FILE_BACKEND_MIN_FREE_SPACE", "SGLANG_HICACHE_FILE_BACKEND_EVICTION_RATIO",
                 "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S", "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER",
-                "MOONCAKE_CLIENT", "KV_LIFECYCLE_REQUIRE_CHECKSUM"):
+                "MOONCAKE_CLIENT", "KV_LIFECYCLE_REQUIRE_CHECKSUM", "KV_LIFECYCLE_SGLANG_STAGING_MIB"):
         monkeypatch.delenv(var, raising=False)
     return str(path)
 
@@ -84,6 +84,9 @@ REFUSED = [
     ({"pp_rank": 2, "pp_size": 2}, {}, "pp_rank"),
     ({}, {"KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S": "-1"}, "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S='-1'"),
     ({}, {"KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S": "soon"}, "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S='soon'"),
+    ({}, {"KV_LIFECYCLE_SGLANG_STAGING_MIB": "0"}, "KV_LIFECYCLE_SGLANG_STAGING_MIB='0' must be a positive whole"),
+    ({}, {"KV_LIFECYCLE_SGLANG_STAGING_MIB": "1.5"}, "KV_LIFECYCLE_SGLANG_STAGING_MIB='1.5'"),
+    ({}, {"KV_LIFECYCLE_SGLANG_STAGING_MIB": "-4"}, "KV_LIFECYCLE_SGLANG_STAGING_MIB='-4'"),
 ]
 
 
@@ -123,6 +126,55 @@ class HybridLinearKVPool:  # SGLang's own manager refuses it too
 def test_unsupported_device_pools_are_refused(make, match):
     with pytest.raises(SGLangConfigError, match=match):
         from_sglang(make())
+
+
+def _mla(name: str):
+    """An MLA pool of SGLang's class ``name`` (a subclass of ``MLATokenToKVPool``, as SGLang's is)."""
+    return type(name, (d.MLATokenToKVPool,), {})(64, 4, torch.bfloat16, 6, 2, 2, "cpu", False)
+
+
+@pytest.mark.parametrize("make", [lambda: _mla("UnifiedMLATokenToKVPool"),
+                                  lambda: type("UnifiedMHATokenToKVPool", (d.MHATokenToKVPool,), {})(
+                                      64, 4, torch.bfloat16, 2, 8, 2, "cpu", False),
+                                  lambda: _with(_mla("SomeMLAPool"), _unified_buffer=object())],
+                         ids=["unified-mla", "unified-mha", "views-of-a-unified-buffer"])
+def test_the_unified_memory_pool_is_refused_in_one_line(make):
+    """Issue 34, point 3: SGLang 0.5.19's ``--enable-unified-memory`` pools subclass
+    ``MLATokenToKVPool`` / ``MHATokenToKVPool`` (SGLang's own manager accepts them) but their
+    ``req_to_token`` holds virtual slot ids, which our copies would read as rows."""
+    with pytest.raises(SGLangConfigError, match="virtual slot ids") as info:
+        from_sglang(make())
+    assert "\n" not in str(info.value) and "--enable-unified-memory" in str(info.value)
+
+
+def _virtual_allocator(node):
+    node.alloc.virtual_to_physical = torch.arange(node.alloc.num_pages + 1)
+    return node
+
+
+def _virtual_rows(node):
+    node.pool.__class__ = type("UnifiedHybridReqToTokenPool", (type(node.pool),), {})
+    return node
+
+
+def _unified_flag(ctx):
+    ctx.get_memory().enable_unified_memory = True
+    return ctx
+
+
+@pytest.mark.parametrize("node_of,ctx_of,match", [
+    (_virtual_allocator, lambda c: c, r"allocator .*\(virtual_to_physical\).*virtual slot ids"),
+    (_virtual_rows, lambda c: c, r"req_to_token pool for decode offload: UnifiedHybridReqToTokenPool addresses KV by virtual slot ids"),
+    (lambda n: n, _unified_flag, r"--enable-unified-memory is not supported.*virtual slot ids"),
+], ids=["virtual-id-allocator", "unified-req-to-token-pool", "the-flag"])
+def test_any_pool_whose_req_to_token_is_not_physical_slot_ids_is_refused_at_construction(
+        store_dir, node_of, ctx_of, match):
+    node = node_of(Node(doubles_kit()))
+    threads = threading.active_count()
+    with pytest.raises(SGLangConfigError, match=match) as info:
+        construct(node, ctx_of(runtime_context(page_size=4)))
+    assert "\n" not in str(info.value)
+    assert not os.path.exists(store_dir) and threading.active_count() == threads
 
 
 def _with(obj, **attrs):
@@ -360,3 +412,10 @@ def test_an_empty_extra_config_is_none_and_a_dict_is_taken_as_given():
     given = {"max_size": 2048}
     cfg = read_config(runtime_context(page_size=4, extra_config=given), {})
     assert cfg.extra_config == given and cfg.extra_config is not given and cfg.capacity_bytes == 2048
+
+
+@pytest.mark.parametrize("env,want", [({}, 16 << 20), ({"KV_LIFECYCLE_SGLANG_STAGING_MIB": "4"}, 4 << 20),
+                                      ({"KV_LIFECYCLE_SGLANG_STAGING_MIB": ""}, 16 << 20)])
+def test_the_staging_budget_is_read_in_mib(env, want):
+    """The copy stream's staging buffer budget (docs/integration.md, "What it reads")."""
+    assert read_config(runtime_context(page_size=4), env).staging_bytes == want

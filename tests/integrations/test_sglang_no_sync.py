@@ -388,3 +388,91 @@ def test_on_cuda_a_bad_release_row_is_reported_without_a_sync(store_dir, corrupt
     free_kv_row(*freed[0])
     assert node.alloc.available_size() == full
     mgr.release_host_resources()
+
+
+def test_shutdown_with_an_abandoned_copy_reads_no_device_slot_and_never_raises(store_dir):  # noqa: F811
+    """Issue 34, point 5: ``release_host_resources`` promises not to raise for work still in
+    flight; a copy held back (it never reports) is abandoned at ``timeout_s=0.01`` without a read
+    of its device slot ids (the close report counts them), and the host pool is left as it is."""
+    node = device_resident_node()
+    mgr = build(node)
+    req = node.admit("held", list(range(4)), 30)
+    node.decode_tokens(req, 4, 7)
+    engine, gate = mgr.offloader.engine, threading.Event()
+    submit = engine.submit
+    engine.submit = lambda tag, fn: submit(tag, lambda: (gate.wait(), fn())[1])  # held back until the end
+    try:
+        with no_host_sync():
+            assert mgr.offload_kv_cache(req)
+            req.finished_reason = "abort"
+            mgr.finalize_release_on_finish(req)
+            with structlog.testing.capture_logs() as logs:
+                mgr.release_host_resources(timeout_s=0.01)
+        assert mgr.stats().abandoned == 1 and len(mgr.ongoing_offload) == 0
+        assert mgr.decode_host_mem_pool.kept  # not closed under the copy
+        (closed,) = [e for e in logs if e["event"] == "offloader.close_timed_out"]
+        assert closed["device_slots"] == 4 and "4 slot ids on the device, not read" in closed["reason"]
+    finally:
+        gate.set()
+
+
+# --- a device row's chunk checked on the device as strongly as a host row's (issue 34, point 3) -----
+
+def _corrupt(node, req, case):
+    """Row positions ``[4, 12)`` hold two pages; corrupt them as ``case`` says (after their KV was
+    written, as a wrong row would be)."""
+    table, row = node.pool.req_to_token, req.kv.req_pool_idx
+    if case == "repeated-page":  # the second page lists the first page's slots again
+        table[row, 8:12] = table[row, 4:8].clone()
+    elif case == "page-another-copy-reads":  # the same, in a later chunk: the first chunk's copy reads it
+        table[row, 8:12] = table[row, 4:8].clone()
+    elif case == "page-the-allocator-does-not-hold":  # a free page's slots
+        free = int(node.alloc.free_pages[-1]) * node.ps
+        table[row, 8:12] = torch.arange(free, free + node.ps, dtype=table.dtype)
+
+
+@pytest.mark.parametrize("case", ["repeated-page", "page-another-copy-reads", "page-the-allocator-does-not-hold"])
+def test_a_device_chunk_the_host_check_would_refuse_is_a_failed_copy_never_stored(store_dir, monkeypatch, case):  # noqa: F811
+    """A host row's chunk with a page listed twice, a page a copy in flight reads, or a page the
+    allocator does not hold is refused (``InvalidSlots``); a device row's cannot be read on the
+    scheduler thread, so the same checks run on the device (``check_device_chunk``) and such a
+    chunk's copy fails: counted, nothing of it stored. Its pages are never counted as read."""
+    if case == "repeated-page":
+        monkeypatch.setenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", "8")  # one chunk of both pages
+    node = device_resident_node()
+    mgr = build(node)
+    req = node.admit("bad", list(range(4)), 40)
+    if case == "page-another-copy-reads":
+        node.decode_tokens(req, 4)
+        with no_host_sync():
+            assert mgr.offload_kv_cache(req)  # [4, 8): good, its copy in flight (not yet settled)
+        node.decode_tokens(req, 4)
+        _corrupt(node, req, case)
+    else:
+        node.decode_tokens(req, 8)
+        _corrupt(node, req, case)
+    with no_host_sync():
+        assert mgr.offload_kv_cache(req)  # accepted: the verdict is the device's, read after the copy
+        node.drain(mgr)
+    stored = 1 if case == "page-another-copy-reads" else 0  # the first chunk's page
+    assert mgr.stats().copy_failures == 1 and mgr.offloader.stats().pages_stored == stored
+    assert len(os.listdir(store_dir) if os.path.isdir(store_dir) else []) == stored
+    assert int(mgr.manager._reading.device.counts.sum()) == 0  # every count taken back (the spare's too)
+    mgr.release_host_resources()
+
+
+def test_device_read_counts_follow_chunks_in_flight_and_come_back_to_zero(store_dir):  # noqa: F811
+    node = device_resident_node()
+    mgr = build(node)
+    req = node.admit("r", list(range(4)), 40)
+    node.decode_tokens(req, 8)
+    row = req.kv.req_pool_idx
+    with no_host_sync():
+        assert mgr.offload_kv_cache(req)
+    counts = mgr.manager._reading.device.counts
+    pages = (node.pool.req_to_token[row, 4:12:4] // node.ps).tolist()
+    assert counts[pages].tolist() == [1, 1] and int(counts.sum()) == 2
+    with no_host_sync():
+        node.drain(mgr)
+    assert int(counts.sum()) == 0 and mgr.stats().copy_failures == 0 and mgr.offloader.stats().pages_stored == 2
+    mgr.release_host_resources()

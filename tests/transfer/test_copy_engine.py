@@ -2,6 +2,7 @@ import threading
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from transfer import CpuCopyEngine, CudaCopyEngine, HostPool, KVPool, synthetic_kv
 from transfer.gather import page_runs
@@ -252,3 +253,111 @@ def test_make_copy_engine_for_the_cpu_defaults_to_two_threads():
     new = [t for t in threading.enumerate() if t not in before]
     assert isinstance(eng, CpuCopyEngine) and len(new) == 2
     eng.close()
+
+
+# --- the copy stream is our own (issue 34, point 4): the factory's logic, on a stand-in runtime -----
+
+class FakeStreamLib:
+    """``cudaStreamCreateWithFlags`` / ``cudaStreamDestroy`` (and the driver's names) as ctypes
+    calls them: the handle is written through the pointer passed."""
+
+    def __init__(self, rc=0):
+        self.rc, self.created, self.destroyed = rc, [], []
+
+    def cudaStreamCreateWithFlags(self, ref, flags):
+        self.created.append(flags.value)
+        if self.rc == 0:
+            ref._obj.value = 0x7F00 + len(self.created)
+        return self.rc
+
+    def cudaStreamDestroy(self, handle):
+        self.destroyed.append(handle.value)
+        return 0
+
+    cuStreamCreate, cuStreamDestroy_v2 = cudaStreamCreateWithFlags, cudaStreamDestroy
+
+
+@pytest.mark.parametrize("driver", [False, True], ids=["runtime", "driver"])
+def test_our_stream_is_created_non_blocking_outside_the_pool_and_destroyed_once(driver):
+    from transfer.copy_engine import NON_BLOCKING, OwnStream, StreamApi
+
+    lib = FakeStreamLib()
+    pool = []
+    own = OwnStream("cuda", api=StreamApi(lib, driver=driver), wrap=lambda h, d: ("external", h, d),
+                    pool=pool.append)
+    assert NON_BLOCKING == 1 and lib.created == [NON_BLOCKING]  # no implicit sync with the legacy default stream
+    assert own.own and own.stream == ("external", 0x7F01, torch.device("cuda")) and pool == []
+    own.close()
+    own.close()
+    assert lib.destroyed == [0x7F01]
+
+
+def test_without_a_runtime_or_when_creating_fails_a_pool_stream_is_used_and_said_so():
+    from transfer.copy_engine import OwnStream, StreamApi
+
+    for api in (None, StreamApi(FakeStreamLib(rc=2))):
+        pool = []
+        with capture_logs() as logs:
+            own = OwnStream("cuda", api=api, wrap=lambda h, d: pytest.fail("nothing to wrap"),
+                            pool=lambda d: pool.append(d) or "pool stream")
+        assert not own.own and own.stream == "pool stream" and pool == [torch.device("cuda")]
+        assert [e["event"] for e in logs] == ["copy_engine.pool_stream"] and logs[0]["log_level"] == "warning"
+        own.close()  # nothing of ours to destroy
+
+
+def test_stream_api_is_none_without_cuda():
+    from transfer.copy_engine import stream_api
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a machine without CUDA (on a GPU, bench/gpu_check.py checks the stream)")
+    assert stream_api() is None
+
+
+class _Event:
+    def __init__(self):
+        self.fired = False
+
+    def query(self):
+        return self.fired
+
+
+def test_the_engine_destroys_its_stream_only_once_closed_and_every_copy_has_ended():
+    """Never under a copy: a close that times out leaves the stream; the poll that sees the last
+    copy end destroys it. The engine's bookkeeping runs on CPU here (events are stand-ins)."""
+    from transfer.copy_engine import OwnStream, StreamApi
+
+    lib = FakeStreamLib()
+    eng = CudaCopyEngine.__new__(CudaCopyEngine)
+    eng._own_stream = OwnStream("cuda", api=StreamApi(lib), wrap=lambda h, d: "stream")
+    eng.stream, eng._closed = "stream", False
+    event = _Event()
+    eng._inflight = [("t", event, (None, None), None)]
+    assert eng.poll() == [] and lib.destroyed == []
+    assert eng.close(timeout=0.01) is False and lib.destroyed == []  # still queued on it
+    assert eng.poll() == [] and lib.destroyed == []
+    event.fired = True
+    assert [d.tag for d in eng.poll()] == ["t"] and lib.destroyed == [0x7F01]
+    assert eng.poll() == [] and lib.destroyed == [0x7F01]
+
+
+def test_a_launch_holds_its_input_tensors_until_the_event_instead_of_record_stream():
+    import gc
+    import weakref
+
+    eng = CudaCopyEngine.__new__(CudaCopyEngine)
+    eng.stream = None
+
+    class Plan:
+        def to_host(self):
+            pass
+
+    slots = torch.arange(8)
+    ref = weakref.ref(slots)
+    go = eng._launch(Plan, "to_host", (slots,))
+    del slots
+    go()
+    gc.collect()
+    assert ref() is not None  # held by the launch, which the engine keeps until the event
+    del go
+    gc.collect()
+    assert ref() is None

@@ -176,3 +176,116 @@ def test_device_id_edges(ids, want):
     assert got == want
     if got is not None:
         assert all(type(v) is int for v in got.values())
+
+
+# --- the staging budget (issue 34): a chunk over it is copied in pieces, the buffer never over it ---
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("budget_pages", [1, 2, 3, 0.25], ids=["one-page", "two-pages", "three-pages", "quarter-page"])
+def test_a_chunk_over_the_staging_budget_is_copied_in_pieces_and_the_buffer_stays_within_it(mla, budget_pages):
+    kv, host = pools(mla)
+    budget = int(budget_pages * host.page_nbytes)
+    staging = Staging("cpu", budget)
+    dev_pages, host_pages = [9, 2, 14, 3, 4, 10, 0], torch.tensor([7, 3, 4, 5, 0, 1, 9])  # scattered, runs split
+    slots = (torch.tensor(dev_pages).view(-1, 1) * PS + torch.arange(PS)).reshape(-1)
+    plan = ChunkCopy(kv, host, slots, host_pages, check_end=kv.slots, staging=staging)
+    plan.to_host()
+    assert plan.landed_error() is None
+    for i, p in enumerate(host_pages.tolist()):
+        assert torch.equal(host.page_view(p).contiguous().view(torch.uint8), page_bytes(kv, slots[i * PS:(i + 1) * PS]))
+    dst = (torch.tensor([1, 11, 5, 6, 7, 12, 13]).view(-1, 1) * PS + torch.arange(PS)).reshape(-1)
+    ChunkCopy(kv, host, dst, host_pages, check_end=kv.slots, staging=staging).to_device()
+    assert torch.equal(kv.read(dst).view(torch.uint8), kv.read(slots).view(torch.uint8))
+    whole_pages = max(1, budget // host.page_nbytes)
+    assert staging.peak_bytes == min(whole_pages, 7) * host.page_nbytes <= max(budget, host.page_nbytes)
+    assert staging.grown == 1
+
+
+def test_the_default_budget_holds_a_small_chunk_in_one_piece():
+    from transfer.gather import DEFAULT_STAGING_BYTES
+
+    staging = Staging("cpu")
+    assert staging.budget_bytes == DEFAULT_STAGING_BYTES == 16 << 20
+    assert staging.pieces(7, 4096) == [(0, 7)]
+    assert staging.pieces(5000, 4096) == [(0, 4096), (4096, 904)]
+    assert Staging("cpu", 100).pieces(3, 4096) == [(0, 1), (1, 1), (2, 1)]  # at least one page
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "16", None])
+def test_a_bad_staging_budget_is_refused(bad):
+    with pytest.raises(ValueError, match="staging budget must be a positive number of bytes"):
+        Staging("cpu", bad)
+
+
+def test_staging_refuses_more_than_its_budget_and_never_allocates_it():
+    s = Staging("cpu", 64)
+    with pytest.raises(ValueError, match="over the 64-byte budget"):
+        s.take(5, 4, torch.int32)                      # 80 bytes
+    assert s.grown == 0 and s.peak_bytes == 0
+    assert s.take(5, 4, torch.int32, page_bytes=80).shape == (5, 4)  # one page larger than the budget
+    assert s.peak_bytes == 80
+
+
+def test_the_cuda_engine_refuses_a_bad_budget_before_anything_else():
+    from transfer.copy_engine import CudaCopyEngine
+
+    with pytest.raises(ValueError, match="staging budget"):
+        CudaCopyEngine("cuda", staging_bytes=0)       # refused before CUDA is looked at (none here)
+
+
+def test_piece_runs_cut_host_runs_at_piece_bounds():
+    from transfer.gather import page_runs, piece_runs
+
+    runs = page_runs([7, 3, 4, 5, 0, 1, 9])          # (0,7,1) (1,3,3) (4,0,2) (6,9,1)
+    assert piece_runs(runs, 0, 2) == [(0, 7, 1), (1, 3, 1)]
+    assert piece_runs(runs, 2, 2) == [(0, 4, 2)]
+    assert piece_runs(runs, 4, 3) == [(0, 0, 2), (2, 9, 1)]
+    assert piece_runs(runs, 0, 7) == runs
+
+
+# --- check_chunk_on_device: a device chunk's pages distinct, not read, held (issue 34, point 3) ------
+
+def _pages(*pages):
+    return as_device_resident((torch.tensor(pages).view(-1, 1) * PS + torch.arange(PS)).reshape(-1))
+
+
+@pytest.mark.parametrize("ids, bad", [
+    (_pages(2, 3, 5), False),
+    (_pages(2, 3, 2), True),                    # a page listed twice
+    (_pages(2, 7), True),                       # page 7 is read by a copy in flight
+    (_pages(2, 9), True),                       # page 9: the allocator does not hold it
+    (_pages(0, 2), True),                       # page 0: the padding page, never held
+], ids=["good", "repeated", "read-by-another-copy", "not-held", "padding-page"])
+def test_check_chunk_on_device_refuses_what_the_host_check_refuses_without_a_read(ids, bad):
+    from transfer.gather import check_chunk_on_device
+
+    end = 16 * PS
+    reads = torch.zeros(16, dtype=torch.int32)
+    reads[7] = 1
+    held = torch.ones(17, dtype=torch.bool)
+    held[0] = held[9] = False
+    with no_host_sync():
+        verdict, pages = check_chunk_on_device(ids, PS, end, reads, held, PS)
+    assert bool(verdict) is bad and pages.shape == (ids.shape[0] // PS,)
+
+
+def test_check_chunk_on_device_asks_every_allocator_page_of_a_page():
+    from transfer.gather import check_chunk_on_device
+
+    held = torch.ones(64 + 1, dtype=torch.bool)  # allocator pages of 2 slots, pages of 4
+    held[2 * 3 + 1] = False  # the second half of page 3
+    with no_host_sync():
+        ok, _ = check_chunk_on_device(_pages(2, 4), PS, 64, None, held, 2)
+        bad, _ = check_chunk_on_device(_pages(2, 3), PS, 64, None, held, 2)
+        unknown_end, _ = check_chunk_on_device(_pages(5, 5), PS, None)
+    assert not bool(ok) and bool(bad) and bool(unknown_end)
+
+
+def test_out_of_range_pages_are_clamped_before_any_gather():
+    from transfer.gather import check_chunk_on_device
+
+    with no_host_sync():
+        verdict, pages = check_chunk_on_device(_pages(-3, 40), PS, 16 * PS, torch.zeros(16, dtype=torch.int32),
+                                               torch.ones(17, dtype=torch.bool), PS)
+    assert pages.tolist() == [0, 15]  # inside the counts; the copy's own check fails these ids

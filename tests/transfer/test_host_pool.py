@@ -105,3 +105,31 @@ def test_bad_host_indices_are_named_so():
     with pytest.raises(BadIndices, match=r"^host indices are not whole"):
         hp.page_ids(torch.tensor([1, 2, 3, 4]))
     assert np.array_equal(hp.page_ids(torch.arange(4, 12)), [1, 2])
+
+
+def test_keep_pinned_makes_close_a_no_op_and_holds_the_pool(monkeypatch):
+    """A copy abandoned at shutdown may still write into the pool: ``keep_pinned`` leaves it
+    registered (``close`` does nothing) and alive (held by the module) until the process ends."""
+    cudart = FakeCudart()
+    monkeypatch.setattr(host_pool_mod, "_cudart", lambda: cudart)
+    monkeypatch.setattr(host_pool_mod, "_KEPT", [])
+    hp = HostPool(1, 1, 4, torch.float32, 4, 8, pin=True)
+    hp.keep_pinned()
+    hp.keep_pinned()
+    hp.close()
+    assert hp.pinned is True and hp.kept and cudart.unregistered == []
+    assert host_pool_mod._KEPT == [hp]
+    del hp
+    import gc
+
+    gc.collect()
+    assert cudart.unregistered == []  # not collected: never unpinned under the copy
+
+
+@pytest.mark.parametrize("scenario", ["unclosed", "kept"])
+def test_a_pinned_pool_is_never_unregistered_at_interpreter_exit(scenario, tmp_path):
+    """The finalizer unpins a pool collected unclosed, never at exit (a copy abandoned at shutdown
+    may still write into it then; the process's end releases the registration anyway)."""
+    from tests.support.pinned_exit import run
+
+    assert run(scenario, tmp_path) == ["pinned True", "end of run"]

@@ -5,6 +5,7 @@ Sources (as ``DecodeKVCacheOffloadManager.__init__`` and the ``HiCacheFile`` bac
 * ``get_schedule().page_size``
 * ``get_memory()``: ``hicache_storage_backend``, ``hicache_storage_backend_extra_config`` (JSON),
   ``hicache_io_backend``, ``hicache_mem_layout``, ``hicache_ratio``, ``hicache_size``
+* ``get_memory().enable_unified_memory`` (refused: ``req_to_token`` then holds virtual slot ids)
 * ``get_serving().served_model_name``; ``get_parallel()``: ``pp_rank``, ``pp_size``, ``dcp_enabled``
 * environment: ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``
   (default ``/tmp/hicache``), ``SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE``,
@@ -34,9 +35,17 @@ FILE_DEFAULT_DIR = "/tmp/hicache"  # HiCacheFile's default file_path
 # ours: how long release_host_resources() drains accepted copies and storage writes at shutdown
 SHUTDOWN_TIMEOUT_ENV = "KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S"
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+# ours: MiB of the copy stream's device staging buffer (a larger chunk is copied in pieces that fit)
+STAGING_ENV = "KV_LIFECYCLE_SGLANG_STAGING_MIB"
+DEFAULT_STAGING_MIB = 16
 # --hicache-ratio unset on a decode server with decode offload: SGLang's kv_cache_builder makes it 2.0
 DECODE_OFFLOAD_HICACHE_RATIO = 2.0
 
+# --enable-unified-memory: req_to_token holds virtual slot ids (SGLang's allocator translates them
+# to physical ones when it launches a kernel); our copies read req_to_token's ids as rows
+UNIFIED_MEMORY_REFUSAL = (
+    "--enable-unified-memory is not supported by kv-lifecycle's decode offload: its req_to_token holds "
+    "virtual slot ids, which our copies would read as physical rows (wrong KV stored); run without it")
 SUPPORTED_BACKENDS = ("file", "mooncake", "aibrix", "eic", "dynamic")  # see backends.py
 # SGLang 0.5.19's --hicache-mem-layout / --hicache-io-backend choices
 SGLANG_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
@@ -81,6 +90,7 @@ class OffloadConfig:
     pp_size: int = 1
     extra_config: dict = field(default_factory=dict)
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    staging_bytes: int = DEFAULT_STAGING_MIB << 20  # KV_LIFECYCLE_SGLANG_STAGING_MIB
     require_checksum: bool = False  # KV_LIFECYCLE_REQUIRE_CHECKSUM=1: unsealed pages are misses
     environ: dict = field(default_factory=dict, repr=False)  # what the backends read (MOONCAKE_*, ...)
 
@@ -107,6 +117,8 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         backend)
     if getattr(parallel, "dcp_enabled", False):
         raise SGLangConfigError("decode context parallel (--dcp-size > 1) is not supported")
+    if getattr(mem, "enable_unified_memory", False):
+        raise SGLangConfigError(UNIFIED_MEMORY_REFUSAL)
     model = getattr(serving, "served_model_name", None)
     if not isinstance(model, str) or not model:
         raise SGLangConfigError(f"get_serving().served_model_name must be a non-empty str, got {model!r}")
@@ -129,6 +141,7 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         pp_size=pp_size,
         extra_config=extra,
         shutdown_timeout_s=_shutdown_timeout(env.get(SHUTDOWN_TIMEOUT_ENV)),
+        staging_bytes=_staging_bytes(env.get(STAGING_ENV)),
         require_checksum=backends.strict(env),
         environ=dict(env),
     )
@@ -145,6 +158,15 @@ def _shutdown_timeout(raw: str | None) -> float:
     if not value >= 0 or value == float("inf"):
         raise SGLangConfigError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r} must be a finite number of seconds >= 0")
     return value
+
+
+def _staging_bytes(raw: str | None) -> int:
+    """``KV_LIFECYCLE_SGLANG_STAGING_MIB``: a positive whole number of MiB (unset: 16), in bytes."""
+    if raw is None or raw == "":
+        return DEFAULT_STAGING_MIB << 20
+    if not re.fullmatch(r"\s*[0-9]+\s*", raw) or int(raw) < 1:
+        raise SGLangConfigError(f"{STAGING_ENV}={raw!r} must be a positive whole number of MiB")
+    return int(raw) << 20
 
 
 def resolve_layout_io(layout: str, io_backend: str, backend: str | None) -> tuple[str, str]:

@@ -21,6 +21,17 @@ UNSUPPORTED = frozenset({
     "NoOpMHATokenToKVPool", "MLATokenToKVPoolFP4",
 })
 _SCALES = ("k_scale_buffer", "v_scale_buffer", "kv_scale_buffer")
+# SGLang 0.5.19's unified memory pool (--enable-unified-memory, sglang/srt/mem_cache/
+# unified_memory_pool.py and multi_ended_allocator.py): its KV pools are views of one byte buffer
+# addressed through the allocator's virtual -> physical table, and req_to_token holds virtual ids
+VIRTUAL_ID_POOLS = frozenset({"UnifiedMHATokenToKVPool", "UnifiedMLATokenToKVPool", "UnifiedKVPool"})
+VIRTUAL_ID_ROWS = frozenset({"UnifiedHybridReqToTokenPool"})
+VIRTUAL_ID_ALLOCATORS = frozenset({
+    "MultiEndedAllocator", "FloatMultiEndedAllocator", "UnifiedMambaTokenToKVPoolAllocator",
+    "UnifiedSWATokenToKVPoolAllocator",
+})
+# what an allocator whose ids are virtual has (SGLang's base allocator has none of these)
+_VIRTUAL_ID_MARKS = ("virtual_to_physical", "translate_kv_loc", "translate_kv_loc_for_kernel")
 
 
 class LayeredKVPool:
@@ -81,14 +92,44 @@ def _class_names(obj) -> list[str]:
     return [c.__name__ for c in type(obj).__mro__]
 
 
-def from_sglang(kv_cache) -> LayeredKVPool:
+def check_physical_slot_ids(kv_cache, allocator=None, req_to_token_pool=None) -> None:
+    """Refuse pools whose ``req_to_token`` does not hold physical slot ids (the rows our copies
+    read): SGLang's unified memory pool (``--enable-unified-memory``: its KV pools, its
+    ``UnifiedHybridReqToTokenPool``, its multi-ended allocators), and any allocator that translates
+    virtual ids (``virtual_to_physical``, ``translate_kv_loc``).
+
+    Raises:
+        SGLangConfigError: one line naming the class found.
+    """
+    for role, obj, names in (("KV cache", kv_cache, VIRTUAL_ID_POOLS), ("allocator", allocator, VIRTUAL_ID_ALLOCATORS),
+                             ("req_to_token pool", req_to_token_pool, VIRTUAL_ID_ROWS)):
+        if obj is None:
+            continue
+        found = [n for n in _class_names(obj) if n in names]
+        marks = [m for m in _VIRTUAL_ID_MARKS if getattr(obj, m, None) is not None] if role == "allocator" else []
+        if found or marks or getattr(obj, "_unified_buffer", None) is not None:
+            cls = type(obj).__name__
+            why = "" if found and found[0] == cls else f" ({found[0] if found else (marks or ['_unified_buffer'])[0]})"
+            raise SGLangConfigError(
+                f"unsupported {role} for decode offload: {cls}{why} addresses KV by virtual "
+                f"slot ids (SGLang's --enable-unified-memory pool), which our copies would read as physical "
+                f"rows; run without --enable-unified-memory")
+
+
+def from_sglang(kv_cache, allocator=None, req_to_token_pool=None) -> LayeredKVPool:
     """Wrap SGLang's ``token_to_kv_pool_allocator.get_kvcache()`` in place.
 
+    Args:
+        kv_cache: the KV cache.
+        allocator, req_to_token_pool: SGLang's, when given: checked to hold physical slot ids
+            (``check_physical_slot_ids``) with the KV cache.
     Raises:
         SGLangConfigError: not an ``MHATokenToKVPool`` / ``MLATokenToKVPool`` (as SGLang's own
             manager refuses), or one whose buffers are not plain per-token rows: quantized with
-            scale buffers, HND / vectorized layout, K and V of different head dims, layer-sharded.
+            scale buffers, HND / vectorized layout, K and V of different head dims, layer-sharded;
+            or one whose ``req_to_token`` holds virtual slot ids (the unified memory pool).
     """
+    check_physical_slot_ids(kv_cache, allocator, req_to_token_pool)
     names = _class_names(kv_cache)
     cls = type(kv_cache).__name__
     if MLA in names:

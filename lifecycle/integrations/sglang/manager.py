@@ -26,6 +26,7 @@ from lifecycle.manager import DecodeOffloadManager
 from lifecycle.states import State
 from transfer.host_offloader import HostOffloader
 from transfer.host_pool import HostPool
+from transfer.shutdown import close_storage
 
 log = get_logger("lifecycle.integrations.sglang")
 _ACTIVE: "weakref.WeakSet[DecodeKVCacheOffloadManager]" = weakref.WeakSet()
@@ -61,6 +62,10 @@ class OngoingOffload:
 class DecodeKVCacheOffloadManager:
     """A drop-in for SGLang 0.5.19's decode KV offload manager.
 
+    A request's ``extra_key`` (with its LoRA id) and ``cache_salt`` name the namespace its pages
+    are stored under, as SGLang 0.5.23 does (``lifecycle.requests.namespace_of``; plain requests
+    keep SGLang 0.5.19's names); ``namespace_of(req)`` returns that seed.
+
     Args (SGLang's, passed by its scheduler):
         req_to_token_pool: SGLang's ``ReqToTokenPool``.
         token_to_kv_pool_allocator: its allocator; ``get_kvcache()`` must be an
@@ -79,7 +84,7 @@ class DecodeKVCacheOffloadManager:
         if not callable(get_kvcache):
             raise SGLangConfigError("token_to_kv_pool_allocator has no get_kvcache()")
         kv_cache = get_kvcache()
-        device = from_sglang(kv_cache)
+        device = from_sglang(kv_cache, token_to_kv_pool_allocator, req_to_token_pool)
         tp_rank, tp_size = _tp_rank_size(tp_group)
         sink = SGLangReleaseSink(tree_cache, req_to_token_pool)
         plan = plan_storage(config, tp_rank, tp_size, device.mla)
@@ -89,7 +94,9 @@ class DecodeKVCacheOffloadManager:
         offloader = audit = None
         try:
             audit = open_audit_trail(tp_rank, config.pp_rank)
-            offloader = HostOffloader(device, host, storage, copy_engine=make_layered_copy_engine(device))
+            engine = make_layered_copy_engine(device, offload_stride=config.offload_stride,
+                                              staging_bytes=config.staging_bytes)
+            offloader = HostOffloader(device, host, storage, copy_engine=engine)
             self.manager = DecodeOffloadManager(
                 req_to_token_pool, token_to_kv_pool_allocator, page_size=config.page_size,
                 offloader=offloader, offload_stride=config.offload_stride,
@@ -212,25 +219,31 @@ class DecodeKVCacheOffloadManager:
 
         Copies already accepted land, their pages are written to storage and waited for, and
         finished requests are released through SGLang's tree cache, for at most ``timeout_s``
-        seconds (default: ``KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S``, else 5; the offloader's
-        close then gets the same bound). Whatever the bound cut off is logged once
+        seconds (default: ``KV_LIFECYCLE_SGLANG_SHUTDOWN_TIMEOUT_S``, else 5): one deadline for the
+        whole call — the drain, the offloader's close and the store's close share it, each getting
+        what the one before left). Whatever the bound cut off is logged once
         (``lifecycle.abandoned``, ERROR, with what was pending) and counted (``stats().abandoned``); its device slots
-        stay allocated (a copy may still read them). ``ongoing_offload`` is empty afterwards.
+        stay allocated (a copy may still read them), and the host pool stays pinned and allocated
+        until the process ends (``HostPool.keep_pinned``: a copy may still write into it), never
+        unpinned at exit. No device memory is read here. ``ongoing_offload`` is empty afterwards.
         """
         if self._released_host:
             return
         self._released_host = True
         _ACTIVE.discard(self)
         bound = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound  # one bound for the whole call: the store gets what is left
         try:
             self.manager.shutdown(force=True, timeout_s=bound)
         finally:
-            self.storage.close()
+            close_storage(self.storage, max(0.0, deadline - time.monotonic()))
         stats = self.manager.stats()  # what the bound cut off: logged once by the manager (lifecycle.abandoned)
         if self.metrics is not None:
             self.metrics.tick(force=True)
         if self.offloader.idle():  # no copy can still write into the host pool: unpin it
             self.decode_host_mem_pool.close()
+        else:  # an abandoned copy may still write into it: pinned and alive until the process ends
+            self.decode_host_mem_pool.keep_pinned()
         log.info("sglang.host_resources_released", released=stats.released, leaked=stats.leaked,
                  pages_stored=self.offloader.stats().pages_stored, abandoned=stats.abandoned,
                  timeout_s=bound)
@@ -250,6 +263,11 @@ class DecodeKVCacheOffloadManager:
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` unless the lifecycle's tables agree."""
         self.manager.check_integrity()
+
+    def namespace_of(self, req) -> str | None:
+        """The namespace seed ``req``'s pages are named under (None: a plain request); see
+        ``DecodeOffloadManager.namespace_of``."""
+        return self.manager.namespace_of(req)
 
 
 def _tp_rank_size(group) -> tuple[int, int]:
