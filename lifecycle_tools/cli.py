@@ -6,7 +6,9 @@
 
 Exit codes: 0 all good; 1 the run or the log shows a problem (leak, double free, verification
 mismatch, lifecycle violation, a log with no lifecycle events); 2 bad flags, bad input or an
-impossible configuration (one line on stderr, before any work is done); 130 interrupted (Ctrl-C).
+impossible configuration (one line on stderr, before any work is done), or output a finished run
+could not deliver (an unwritable ``--json``, a refused ``--metrics-push``: one line after the
+summary); 130 interrupted (Ctrl-C).
 
 This module is application code: it is the one place that configures logging (the library only
 logs). ``--help`` imports neither torch nor the library.
