@@ -1,13 +1,22 @@
 """Issue 10: every scheduler call checks its whole plan before any effect.
 
-One regression test (or a few) per numbered case of the issue. Each drives the manager from
-outside, through the public names, over doubles that behave like real pools; a refused call must
-raise a ``LifecycleError`` and leave everything observable — allocator, row pool, host pool,
-``snapshot()``, ``stats()`` — exactly as it was; once the scheduler repairs the cause, a retry
-frees everything exactly once.
+One regression test (or a few) per numbered case of the issue, each run over both rigs (the ``rig``
+fixture, ``tests/support/rigs.py``): ``doubles`` (strict recording doubles that behave like real
+pools) and ``real-pools`` (``transfer.PagedTokenAllocator`` and ``transfer.ReqToTokenPool``, whose
+rows hold the slot ids the allocator handed out). Each drives the manager from outside, through
+the public names; a refused call must raise a ``LifecycleError`` and leave everything observable —
+allocator, row pool, rows, host pool, ``snapshot()``, ``stats()`` — exactly as it was; once the
+scheduler repairs the cause, a retry frees everything exactly once.
+
+Case 1 (release is atomic) runs through both entry points of the free path
+(``finalize_release_on_finish`` and ``_release_finished_req``). A -1 or a repeated slot id (a
+cleared row) is refused by the manager's own plan check (``plan_release``) whatever the pools;
+slots or a row that the pools no longer hold are refused through the pools' ``check_free``, asked
+by the default ``AllocatorReleaseSink`` before anything is freed.
 """
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,173 +24,250 @@ import structlog
 import torch
 
 from hashing import TokenRangeError, page_hashes
-from lifecycle import (
-    ConfigError,
-    DecodeOffloadManager,
-    InvalidRequest,
-    InvalidToken,
-    LifecycleError,
-    ReentrantCall,
-    State,
-)
-from lifecycle_tools.testkit.doubles import PagedAllocator, Req, ReqToTokenPool
-from tests.conftest import Node
-from transfer import InMemoryOffloader
+from lifecycle import ConfigError, InvalidRequest, InvalidToken, LifecycleError, ReentrantCall, State
+from lifecycle.release import AllocatorReleaseSink, ReleaseRefused, plan_release
+from lifecycle_tools.testkit.doubles import Req
+from transfer import DoubleFree, NotAllocated
 
-P, F, R = State.PREFILLED, State.FINISHED, State.RELEASED
+P, R = State.PREFILLED, State.RELEASED
+PS = 4  # tokens per page (manager and allocator)
+ENTRIES = {"finalize": "finalize_release_on_finish", "release": "_release_finished_req"}
 
 
-def observe(node):
-    """Everything a scheduler (or an operator) can observe."""
-    return (sorted(node.alloc.held), list(node.alloc.freed_pages), list(node.pool.freed_rows),
-            node.pool.req_to_token.clone().tolist(), node.off.host_free_pages(), sorted(node.off.pending_writes),
-            node.mgr.snapshot(), node.mgr.stats())
-
-
-def refused(node, call, match=None):
-    """``call`` raises a LifecycleError and nothing observable changes."""
-    before = observe(node)
-    with pytest.raises(LifecycleError, match=match):
+def refused(rig, req, call, match=None, error=LifecycleError):
+    """``call`` raises ``error`` matching ``match`` and nothing observable changes. Returns the error."""
+    before = rig.observe(req)
+    with pytest.raises(error, match=match) as exc:
         call()
-    assert observe(node) == before
+    assert rig.observe(req) == before
+    rig.check_integrity()
+    return exc.value
 
 
-def finished_req(node, rid="r", row=1, prompt=10, spec=0):
-    req = Req(rid, range(prompt), row=row, spec=spec, finished=True)
-    node.mgr.offload_kv_cache(req)
-    return req
+def finished(rig, prompt=10, spec=0):
+    """A tracked request whose copies all landed, finished: releasing it frees at once."""
+    req = rig.admit("r", prompt, prompt + spec, spec=spec)
+    rig.mgr.offload_kv_cache(req)
+    rig.land_all()
+    req.finish()
+    return req, rig.slots_of(req)
+
+
+def page_slots(rig, slots) -> int:
+    """How many slots freeing ``slots`` gives back (whole allocator pages)."""
+    page = rig.alloc.page_size
+    return len({int(s) // page for s in slots.tolist()}) * page
+
+
+def retry_frees_once(rig, req, release, slots):
+    """The retry frees every page of ``slots`` and the row, exactly once."""
+    row, free_before, rows_before = req.kv.req_pool_idx, rig.free_slot_count(), rig.free_row_count()
+    release(req)
+    assert rig.mgr.state_of(req) is R and req.kv.req_pool_idx is None
+    assert rig.free_slot_count() == free_before + page_slots(rig, slots)
+    assert rig.free_row_count() == rows_before + 1
+    assert rig.is_free(slots)                          # every page of the request is free now
+    with pytest.raises(DoubleFree):
+        rig.alloc.check_free(slots)
+    with pytest.raises(DoubleFree):
+        rig.pool.check_free(SimpleNamespace(kv=SimpleNamespace(req_pool_idx=row)))
+    rig.check_integrity()
 
 
 # --- 1. release is atomic ---------------------------------------------------------------------------
 
 
-def test_case1_overallocated_tail_not_allocated_frees_nothing_then_retry_frees_once():
-    node = Node(page_size=4)
-    req = Req("r", range(10), row=1, spec=6)           # committed 10, allocated 16: tail [12, 16)
-    node.mgr.offload_kv_cache(req)
-    row = node.pool.req_to_token[1]
-    good_tail = row[12:16].clone()
-    row[12:16] = torch.arange(0, 4, dtype=torch.int32)  # the tail lists slots of page 0...
-    node.alloc.free(torch.arange(0, 4, dtype=torch.int64))  # ...which is not allocated
-    req.finish()
-    refused(node, lambda: node.mgr.finalize_release_on_finish(req), "cannot free its slots")
-    assert node.mgr.state_of(req) is P
-    row[12:16] = good_tail                             # the scheduler repairs the row
-    node.mgr.finalize_release_on_finish(req)
-    base = 1 * node.pool.width // 4
-    assert node.alloc.freed_pages == [0] + [base + i for i in range(4)]
-    assert node.pool.freed_rows == [1] and node.mgr.state_of(req) is R
-
-
-def test_case1_minus_one_inside_committed_frees_nothing():
-    node = Node(page_size=4)
-    req = finished_req(node)
-    node.pool.req_to_token[1, 3] = -1
-    refused(node, lambda: node.mgr._release_finished_req(req), "lists slot -1")
-    node.pool.req_to_token[1, 3] = 1 * node.pool.width + 3
-    node.mgr._release_finished_req(req)
-    assert node.pool.freed_rows == [1] and len(node.alloc.freed_pages) == 3
-
-
-def test_case1_row_already_freed_by_the_scheduler_frees_nothing():
-    node = Node(page_size=4)
-    req = finished_req(node)
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_case1_overallocated_tail_listing_a_free_page_frees_nothing_then_retry_frees_once(rig, entry):
+    release = getattr(rig.mgr, ENTRIES[entry])
+    req, slots = finished(rig, prompt=10, spec=6)      # committed 10, allocated 16: tail [12, 16)
     row = req.kv.req_pool_idx
-    node.pool.free(req)                                # freed behind the manager's back
-    refused(node, lambda: node.mgr._release_finished_req(req), "row changed from 1 to None")
-    assert node.alloc.freed_pages == []
+    stray = rig.stray_free_page()                      # a page the scheduler already gave back
+    good_tail = rig.pool.req_to_token[row, 12:16].clone()
+    rig.pool.req_to_token[row, 12:16] = stray.to(torch.int32)
+    refused(rig, req, lambda: release(req), "cannot free its slots")
+    assert rig.mgr.state_of(req) is P
+    rig.pool.req_to_token[row, 12:16] = good_tail      # the scheduler repairs the row
+    retry_frees_once(rig, req, release, slots)
 
 
-def test_case1_row_cleared_frees_nothing():
-    node = Node(page_size=4)
-    req = finished_req(node)
-    node.pool.req_to_token[1].zero_()                  # cleared: every position lists slot 0
-    refused(node, lambda: node.mgr._release_finished_req(req), "more than once")
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_case1_overallocated_tail_listing_a_never_allocated_page_frees_nothing_then_retry_frees_once(rig, entry):
+    release = getattr(rig.mgr, ENTRIES[entry])
+    req, slots = finished(rig, prompt=10, spec=6)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 12:16] = rig.never_allocated_page().to(torch.int32)
+    err = refused(rig, req, lambda: release(req), "cannot free its slots")
+    assert isinstance(err.__cause__, NotAllocated)     # the allocator's own verdict
+    assert rig.mgr.state_of(req) is P
+    rig.pool.req_to_token[row, 12:16] = slots[12:16].to(torch.int32)
+    retry_frees_once(rig, req, release, slots)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_case1_tail_position_cleared_to_the_padding_slot_frees_nothing_then_retry_frees_once(rig, entry):
+    release = getattr(rig.mgr, ENTRIES[entry])
+    req, slots = finished(rig, prompt=10, spec=6)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 15] = 0                 # one cleared position: padding page 0
+    refused(rig, req, lambda: release(req), "cannot free its slots")
+    assert rig.mgr.state_of(req) is P
+    rig.pool.req_to_token[row, 15] = int(slots[15])
+    retry_frees_once(rig, req, release, slots)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_case1_minus_one_inside_committed_frees_nothing_then_retry_frees_once(rig, entry):
+    release = getattr(rig.mgr, ENTRIES[entry])
+    req, slots = finished(rig)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row, 3] = -1
+    refused(rig, req, lambda: release(req), "lists slot -1")
+    assert rig.mgr.state_of(req) is P
+    rig.pool.req_to_token[row, 3] = int(slots[3])
+    retry_frees_once(rig, req, release, slots)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_case1_row_freed_by_the_scheduler_frees_nothing(rig, entry):
+    release = getattr(rig.mgr, ENTRIES[entry])
+    req, slots = finished(rig)
+    row = req.kv.req_pool_idx
+    rig.pool.free(req)                                 # SGLang's way: req_pool_idx becomes None
+    refused(rig, req, lambda: release(req), f"row changed from {row} to None")
+    assert not rig.is_free(slots)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_case1_row_already_freed_through_another_handle_frees_nothing_then_retry_frees_once(rig, entry):
+    release = getattr(rig.mgr, ENTRIES[entry])
+    req, slots = finished(rig)
+    row = req.kv.req_pool_idx
+    rig.pool.free(SimpleNamespace(kv=SimpleNamespace(req_pool_idx=row)))  # a stale handle: req still names the row
+    # the real pool says the row is free; the doubles' pool also poisons a freed row (-1), which the
+    # manager's own plan check finds first
+    match = {"doubles": "lists slot -1", "real-pools": f"row {row} is already free"}[rig.kind]
+    refused(rig, req, lambda: release(req), match)
+    assert rig.mgr.state_of(req) is P
+    assert rig.pool.alloc() == row                     # the scheduler takes the row back
+    retry_frees_once(rig, req, release, slots)
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_case1_row_cleared_frees_nothing_then_retry_frees_once(rig, entry):
+    release = getattr(rig.mgr, ENTRIES[entry])
+    req, slots = finished(rig)
+    row = req.kv.req_pool_idx
+    rig.pool.req_to_token[row].zero_()                 # cleared: every position lists slot 0
+    refused(rig, req, lambda: release(req), "more than once")
+    assert rig.mgr.state_of(req) is P
+    rig.pool.req_to_token[row, : slots.numel()] = slots.to(torch.int32)
+    retry_frees_once(rig, req, release, slots)
+
+
+def test_case1_the_default_sink_checks_the_row_pool_before_freeing(rig):
+    """``AllocatorReleaseSink.check`` asks the row pool (its ``check_free``): a plan whose row
+    cannot be freed is refused with nothing changed; ``free`` after a passing check frees every
+    slot and the row. (The slots' refusal: the over-allocated tail tests above.)"""
+    req, slots = finished(rig)
+    row = req.kv.req_pool_idx
+    plan = plan_release(rig.mgr, SimpleNamespace(rid="r"), req, (row, 10, 10))
+    sink = AllocatorReleaseSink(rig.pool, rig.alloc)
+    stale = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=row))
+    rig.pool.free(stale)
+    free_before, rows_before = rig.free_slot_count(), rig.free_row_count()
+    with pytest.raises(ReleaseRefused, match=f"cannot free its row .*{rig.row_already_free(row)}"):
+        sink.check(plan)
+    assert (rig.free_slot_count(), rig.free_row_count(), req.kv.req_pool_idx) == (free_before, rows_before, row)
+    assert rig.pool.alloc() == row                     # the scheduler takes the row back
+    sink.check(plan)
+    sink.free(plan)
+    assert rig.free_slot_count() == free_before + page_slots(rig, slots) and req.kv.req_pool_idx is None
 
 
 # --- 2. a row change is caught by every entry point ------------------------------------------------
 
 
-def moved(node):
-    """Request A decoding on row 0, then moved to row 2 without readmit; B given row 0."""
-    a = Req("a", range(8), row=0)
+def moved(rig):
+    """Request A decoding on its row, then moved to another row without readmit; B given A's row."""
+    a = rig.admit("a", 8, 16)
     a.decode(1)
-    node.mgr.offload_kv_cache(a)
-    a.kv.req_pool_idx = 2
-    b = Req("b", range(8), row=0)
-    return a, b
+    rig.mgr.offload_kv_cache(a)
+    old, new = a.kv.req_pool_idx, rig.admit("spare", 8, 16).kv.req_pool_idx
+    a.kv.req_pool_idx = new
+    b = Req("b", [1000 + i for i in range(8)], row=old)
+    return a, b, old, new
 
 
 @pytest.mark.parametrize("entry", ["offload_no_chunk_due", "offload_chunk_due", "finalize", "release"])
-def test_case2_row_moved_without_readmit_is_refused_by_every_entry_point(entry):
-    node = Node(page_size=4)
-    a, b = moved(node)
-    node.mgr.offload_kv_cache(b)
+def test_case2_row_moved_without_readmit_is_refused_by_every_entry_point(rig, entry):
+    a, b, old, new = moved(rig)
+    rig.mgr.offload_kv_cache(b)
     if entry == "offload_chunk_due":
         for t in range(4):
             a.decode(t)
     if entry == "release":
         a.finish()
     call = {
-        "offload_no_chunk_due": lambda: node.mgr.offload_kv_cache(a),
-        "offload_chunk_due": lambda: node.mgr.offload_kv_cache(a),
-        "finalize": lambda: node.mgr.finalize_release_on_finish(a),
-        "release": lambda: node.mgr._release_finished_req(a),
+        "offload_no_chunk_due": lambda: rig.mgr.offload_kv_cache(a),
+        "offload_chunk_due": lambda: rig.mgr.offload_kv_cache(a),
+        "finalize": lambda: rig.mgr.finalize_release_on_finish(a),
+        "release": lambda: rig.mgr._release_finished_req(a),
     }[entry]
-    refused(node, call, "row changed from 0 to 2 without readmit")
-    assert node.alloc.freed_pages == [] and node.pool.freed_rows == []
+    refused(rig, a, call, f"row changed from {old} to {new} without readmit")
+    assert rig.mgr.stats().released == 0
 
 
-def test_case2_readmit_rereads_the_new_row():
-    node = Node(page_size=4)
-    req = Req("r", range(8), row=0)
+def test_case2_readmit_rereads_the_new_row(rig):
+    req = rig.admit("r", 8, 16)
     req.decode(1)
-    node.mgr.offload_kv_cache(req)
-    node.mgr.finalize_release_on_finish(req)           # retracted: released
-    req.kv.req_pool_idx = 3
-    node.mgr.readmit(req)
-    req.kv.req_pool_idx = 4                            # moved again, untold
-    refused(node, lambda: node.mgr.offload_kv_cache(req), "row changed from 3 to 4")
+    rig.mgr.offload_kv_cache(req)
+    rig.mgr.finalize_release_on_finish(req)            # retracted: released
+    rig.regrant(req)
+    rig.mgr.readmit(req)
+    row, other = req.kv.req_pool_idx, rig.admit("spare", 8, 16).kv.req_pool_idx
+    req.kv.req_pool_idx = other                        # moved again, untold
+    refused(rig, req, lambda: rig.mgr.offload_kv_cache(req), f"row changed from {row} to {other}")
 
 
 # --- 3. ownership -----------------------------------------------------------------------------------
 
 
-def test_case3_readmit_by_a_manager_that_no_longer_owns_the_request_is_refused():
-    pool, alloc = ReqToTokenPool(), PagedAllocator(page_size=4)
-    mgr_a = DecodeOffloadManager(pool, alloc, page_size=4, offloader=InMemoryOffloader(page_size=4, host_pages=64))
-    mgr_b = DecodeOffloadManager(pool, alloc, page_size=4, offloader=InMemoryOffloader(page_size=4, host_pages=64))
-    req = Req("r", range(8), row=0)
+def test_case3_readmit_by_a_manager_that_no_longer_owns_the_request_is_refused(rig):
+    mgr_a, mgr_b = rig.mgr, rig.manager()              # two managers over the same pools
+    req = rig.admit("r", 8, 16)
+    rows_at_start = rig.free_row_count()
     req.decode(1)
     mgr_a.offload_kv_cache(req)
     mgr_a.finalize_release_on_finish(req)              # released by A
-    req.kv.req_pool_idx = pool.alloc()                 # the scheduler gives it its row and pages again
-    alloc.alloc_pages(list(alloc.freed_pages))
-    mgr_b.offload_kv_cache(req)                         # picked up by B
-    before = (mgr_a.snapshot(), mgr_a.stats(), mgr_b.snapshot(), mgr_b.stats(), list(pool.freed_rows))
+    rig.regrant(req)                                   # the scheduler gives it a row and pages again
+    mgr_b.offload_kv_cache(req)                        # picked up by B
+    before = (mgr_a.snapshot(), mgr_a.stats(), mgr_b.snapshot(), mgr_b.stats(), rig.pools_view())
     with pytest.raises(InvalidRequest, match="belongs to another manager"):
         mgr_a.readmit(req)
-    assert (mgr_a.snapshot(), mgr_a.stats(), mgr_b.snapshot(), mgr_b.stats(), list(pool.freed_rows)) == before
+    assert (mgr_a.snapshot(), mgr_a.stats(), mgr_b.snapshot(), mgr_b.stats(), rig.pools_view()) == before
     req.finish()
     mgr_b.finalize_release_on_finish(req)
-    assert pool.freed_rows == [0, 0] and mgr_b.state_of(req) is R   # freed once per lifecycle
+    assert mgr_b.state_of(req) is R and req.kv.req_pool_idx is None
+    assert (mgr_a.stats().released, mgr_b.stats().released) == (1, 1)   # freed once per lifecycle
+    assert rig.free_row_count() == rows_at_start + 1
 
 
 # --- 4. namespace seed --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", [" " * 64, "ab" * 31 + " 0", "g" * 64, "ab" * 33, "ab" * 31, 7])
-def test_case4_namespace_seed_must_be_exactly_64_hex(seed):
+def test_case4_namespace_seed_must_be_exactly_64_hex(rig, seed):
     with pytest.raises(ConfigError, match="exactly 64 hex"):
-        Node(page_size=4, seed=seed)
+        rig.variant(seed=seed)
 
 
-def test_case4_namespace_seed_case_is_normalised():
-    upper, lower = Node(page_size=4, seed="AB" * 32), Node(page_size=4, seed="ab" * 32)
+def test_case4_namespace_seed_case_is_normalised(rig):
+    upper, lower = rig.variant(seed="AB" * 32), rig.variant(seed="ab" * 32)
     assert upper.mgr.namespace_seed == "ab" * 32
-    reqs = [Req("r", range(8), row=0) for _ in range(2)]
-    for node, req in zip((upper, lower), reqs):
-        node.mgr.offload_kv_cache(req)
+    reqs = [r.admit("r", 8, 16, tokens=range(8)) for r in (upper, lower)]
+    for r, req in zip((upper, lower), reqs):
+        r.mgr.offload_kv_cache(req)
     assert upper.mgr.progress_of(reqs[0]) == lower.mgr.progress_of(reqs[1])
     assert upper.mgr.progress_of(reqs[0]).last_hash == page_hashes(list(range(8)), 4, "ab" * 32)[-1]
 
@@ -189,132 +275,128 @@ def test_case4_namespace_seed_case_is_normalised():
 # --- 5. allocator page vs manager page --------------------------------------------------------------
 
 
-def test_case5_an_allocator_page_larger_than_the_manager_page_is_refused():
+def test_case5_an_allocator_page_larger_than_the_manager_page_is_refused(rig):
     with pytest.raises(ConfigError, match="does not divide"):
-        Node(page_size=4, alloc_page=8)
+        rig.variant(alloc_page=8)
 
 
-def test_case5_a_stuck_copy_never_lets_a_live_page_be_freed_with_a_finer_allocator():
-    node = Node(page_size=4, alloc_page=2)
-    req = Req("r", range(4), row=1)
+def test_case5_a_stuck_copy_never_lets_a_live_page_be_freed_with_a_finer_allocator(rig):
+    rig = rig.variant(alloc_page=2)
+    req = rig.admit("r", 4, 16)
     for t in range(5):
         req.decode(t)
-        node.mgr.offload_kv_cache(req)                 # chunk [4, 8) in flight
-    node.off.expire(list(node.off.pending_writes))
-    node.mgr.check_offload_progress()                  # quarantined
+        rig.mgr.offload_kv_cache(req)                  # chunk [4, 8) in flight
+    slots = rig.slots_of(req)                          # positions [0, 9)
+    rig.off.expire(list(rig.off.pending_writes))
+    rig.mgr.check_offload_progress()                   # quarantined
     req.finish()
-    node.mgr.finalize_release_on_finish(req)
-    base = node.pool.width // 2
-    assert sorted(node.alloc.freed_pages) == [base, base + 1, base + 4]  # not [4, 8): pages base+2, base+3
-    node.alloc.alloc_pages([base, base + 1])           # another request takes the freed pages
-    node.off.land()
-    node.mgr.check_offload_progress()                  # the stuck copy ends: only its pages go back
-    assert sorted(node.alloc.freed_pages) == [base, base + 1, base + 2, base + 3, base + 4]
-    assert {base, base + 1} <= node.alloc.held
+    rig.mgr.finalize_release_on_finish(req)
+    assert rig.is_free(slots[0:4]) and rig.is_free(slots[8:9])
+    assert rig.is_held(slots[4:8])                     # [4, 8): the stuck copy may still read them
+    taken = rig.take_slots(4)                          # another request takes freed pages
+    rig.off.land()
+    rig.mgr.check_offload_progress()                   # the stuck copy ends: only its pages go back
+    assert rig.is_free(slots[4:8]) and rig.is_held(taken)
+    rig.check_integrity()
 
 
 # --- 6. one offloader, one manager -------------------------------------------------------------------
 
 
-def test_case6_a_second_manager_over_the_same_offloader_is_refused():
-    node = Node(page_size=4)
+def test_case6_a_second_manager_over_the_same_offloader_is_refused(rig):
     with pytest.raises(ConfigError, match="already serves another"):
-        DecodeOffloadManager(ReqToTokenPool(), PagedAllocator(page_size=4), page_size=4, offloader=node.off)
-    node.mgr.shutdown()
-    DecodeOffloadManager(ReqToTokenPool(), PagedAllocator(page_size=4), page_size=4, offloader=node.off)
+        rig.variant(offloader=rig.off)
+    rig.mgr.shutdown()
+    rig.variant(offloader=rig.off)
 
 
 # --- 7. re-entrant calls -----------------------------------------------------------------------------
 
 
-def test_case7_a_log_processor_calling_back_into_the_manager_corrupts_nothing():
-    node, seen = None, []
+def test_case7_a_log_processor_calling_back_into_the_manager_corrupts_nothing(rig):
+    armed, seen = [], []
 
     def meddle(_logger, _name, event_dict):
-        if node is not None and str(event_dict.get("event")).startswith("lifecycle."):
-            node.off.land()
+        if armed and str(event_dict.get("event")).startswith("lifecycle."):
+            rig.off.land()
             try:
-                node.mgr.check_offload_progress()
+                rig.mgr.check_offload_progress()
             except LifecycleError as err:
                 seen.append(err)
         raise structlog.DropEvent
 
+    reqs = [rig.admit(f"r{i}", 8, 32, tokens=range(8)) for i in range(3)]
+    rows_before = rig.free_row_count()
     old = structlog.get_config()
     structlog.configure(processors=[meddle], wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    armed.append(True)
     try:
-        node = Node(page_size=4)
-        reqs = [Req(f"r{i}", range(8), row=i) for i in range(3)]
         for step in range(9):
             for req in reqs:
                 req.decode(step)
-                node.mgr.offload_kv_cache(req)
-                node.mgr.check_integrity()             # after every call, not only at the end
+                rig.mgr.offload_kv_cache(req)
+                rig.mgr.check_integrity()              # after every call, not only at the end
         for req in reqs:
             req.finish()
-            if not node.mgr.offload_kv_cache(req):
-                node.mgr.finalize_release_on_finish(req)
-        node.off.land()
-        node.mgr.check_offload_progress()
+            if not rig.mgr.offload_kv_cache(req):
+                rig.mgr.finalize_release_on_finish(req)
+        rig.land_all()
     finally:
+        armed.clear()
         structlog.configure(**old)
-    node.mgr.check_integrity()
-    assert all(node.mgr.state_of(r) is R for r in reqs) and sorted(node.pool.freed_rows) == [0, 1, 2]
-    assert node.mgr.stats().released == 3 and not seen
+    rig.check_integrity()
+    assert all(rig.mgr.state_of(r) is R for r in reqs) and rig.free_row_count() == rows_before + 3
+    assert rig.mgr.stats().released == 3 and not seen
 
 
-def test_case7_a_call_from_inside_a_call_is_refused_and_changes_nothing():
-    node = Node(page_size=4)
-    write, inner = node.off.write, []
+def test_case7_a_call_from_inside_a_call_is_refused_and_changes_nothing(rig):
+    write, inner = rig.off.write, []
+    req = rig.admit("r", 4, 16)
 
     def write_then_poll(indices, ack):
-        before = observe(node)
+        before = rig.observe(req)
         try:
-            node.mgr.check_offload_progress()
+            rig.mgr.check_offload_progress()
         except ReentrantCall as err:
-            inner.append((err, observe(node) == before))
+            inner.append((err, rig.observe(req) == before))
         return write(indices, ack)
 
-    node.off.write = write_then_poll
-    req = Req("r", range(4), row=0)
+    rig.off.write = write_then_poll
     for t in range(5):
         req.decode(t)
-        node.mgr.offload_kv_cache(req)
+        rig.mgr.offload_kv_cache(req)
     assert len(inner) == 1 and inner[0][1] is True
-    assert node.mgr.stats().chunks_enqueued == 1
-    node.mgr.check_integrity()
+    assert rig.mgr.stats().chunks_enqueued == 1
+    rig.check_integrity()
 
 
 # --- 8. a refused first call leaves no trace ----------------------------------------------------------
 
 
-def test_case8_a_refused_first_call_leaves_no_record():
-    node = Node(page_size=4)
-    req = Req("r", range(4), row=0, outputs=range(9))
+def test_case8_a_refused_first_call_leaves_no_record(rig):
+    req = rig.admit("r", 4, 16, outputs=range(9))
     req.kv.kv_committed_len = 5                        # a chunk is due, but its KV is not committed
-    refused(node, lambda: node.mgr.offload_kv_cache(req), "not committed")
-    assert node.mgr.state_of(req) is None and node.mgr.stats().tracked == 0
+    refused(rig, req, lambda: rig.mgr.offload_kv_cache(req), "not committed")
+    assert rig.mgr.state_of(req) is None and rig.mgr.stats().tracked == 0
     del req
-    assert node.mgr.stats().leaked == 0
+    assert rig.mgr.stats().leaked == 0
 
 
 # --- 9. first-sight checks, token errors ---------------------------------------------------------------
 
 
-def test_case9_allocated_beyond_the_row_is_refused_on_first_sight():
-    node = Node(page_size=4)
-    req = Req("r", range(4), row=0)
+def test_case9_allocated_beyond_the_row_is_refused_on_first_sight(rig):
+    req = rig.admit("r", 4, 16)
     req.kv.kv_allocated_len = 10_000
-    refused(node, lambda: node.mgr.offload_kv_cache(req), "exceeds the row width")
-    assert node.mgr.state_of(req) is None
+    refused(rig, req, lambda: rig.mgr.offload_kv_cache(req), "exceeds the row width")
+    assert rig.mgr.state_of(req) is None
 
 
-def test_case9_numpy_prompt_tokens_are_tokens_and_a_bad_one_is_named_where_it_is():
-    node = Node(page_size=4)
-    good = Req("np", np.arange(8, dtype=np.int64), row=0)
-    node.mgr.offload_kv_cache(good)
-    assert node.mgr.progress_of(good).last_hash == page_hashes(list(range(8)), 4)[-1]
-    bad = Req("bad", np.array([1, 2, 3, 4, 5, -7, 7, 8]), row=1)
-    with pytest.raises(InvalidToken, match=r"token id -7 at position 5") as exc:
-        node.mgr.offload_kv_cache(bad)
-    assert isinstance(exc.value, TokenRangeError) and isinstance(exc.value, LifecycleError)
-    assert node.mgr.state_of(bad) is None
+def test_case9_numpy_prompt_tokens_are_tokens_and_a_bad_one_is_named_where_it_is(rig):
+    good = rig.admit("np", 8, 16, tokens=np.arange(8, dtype=np.int64))
+    rig.mgr.offload_kv_cache(good)
+    assert rig.mgr.progress_of(good).last_hash == page_hashes(list(range(8)), 4)[-1]
+    bad = rig.admit("bad", 8, 16, tokens=np.array([1, 2, 3, 4, 5, -7, 7, 8]))
+    err = refused(rig, bad, lambda: rig.mgr.offload_kv_cache(bad), r"token id -7 at position 5", InvalidToken)
+    assert isinstance(err, TokenRangeError) and isinstance(err, LifecycleError)
+    assert rig.mgr.state_of(bad) is None
