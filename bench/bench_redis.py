@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import redis  # noqa: E402
 
 from lifecycle_tools.testkit.redis_server import server_binary, start_server  # noqa: E402
-from transfer.storage.redis import RedisStorage  # noqa: E402
+from transfer.storage.redis.store import RedisStorage  # noqa: E402
 
 TOTAL = 32 << 20  # page bytes moved per page size per direction per repetition
 BATCH = 32  # pages per batch call (a 512-token chunk at page size 16)

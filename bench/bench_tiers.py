@@ -102,7 +102,7 @@ class RawMooncake:
     check, no seal, no verification, no return-code mapping."""
 
     def __init__(self, master: str) -> None:
-        from transfer.storage.mooncake_conn import import_store
+        from transfer.storage.mooncake.conn import import_store
 
         store_cls, cfg_cls = import_store()
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")

@@ -73,7 +73,7 @@ __all__ = [
 
 def __getattr__(name):  # RedisStorage imports the redis client only when used
     if name == "RedisStorage":
-        from transfer.storage.redis import RedisStorage
+        from transfer.storage.redis.store import RedisStorage
 
         return RedisStorage
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,18 +1,18 @@
 """Mutation testing of the library (mutmut 3), group by group, each against its own test files.
 
     .venv/bin/pip install -e '.[mutation]'
-    .venv/bin/python bench/mutation.py [--groups hashing lifecycle ...] [--commit HEAD]
+    .venv/bin/python bench/mutation/campaign.py [--groups hashing lifecycle ...] [--commit HEAD]
                                        [--workdir mutation-runs] [--max-children 2] [--nice 10]
 
-Not part of CI. For each group of ``bench/mutation_map.py`` it extracts the commit into a fresh
+Not part of CI. For each group of ``bench/mutation/map.py`` it extracts the commit into a fresh
 snapshot (``git archive``: the working tree, and whoever is editing it, is never touched), writes
 the group's ``[tool.mutmut]`` section there (modules to mutate, test files to run), runs
 ``mutmut run`` at low priority and collects every mutant's outcome. It prints, per group and per
 package: mutants generated, killed, survived, timeout, no tests (code no selected test reaches),
 crashed (the test run died of a signal: SIGSEGV, or SIGKILL past the CPU limit — the
-mutant did not pass, counted as detected), other (suspicious), known equivalent (listed in ``bench/mutation_equivalent.txt`` with
+mutant did not pass, counted as detected), other (suspicious), known equivalent (listed in ``bench/mutation/equivalent.txt`` with
 the reason and the hash of its function's source when judged: an entry whose function changed
-since is stale and its survivor counts as a survivor, see ``bench/mutation_equivalents.py``), not run (the group was stopped first) and the kill rate = (killed + timeout +
+since is stale and its survivor counts as a survivor, see ``bench/mutation/equivalents.py``), not run (the group was stopped first) and the kill rate = (killed + timeout +
 crashed) / (generated - equivalent - no tests - not run).
 
 ``--continue`` goes on with a stopped run of the same commit (a group's snapshot is kept, and
@@ -42,11 +42,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench import mutation_equivalents as equivalents  # noqa: E402
-from bench.mutation_map import (  # noqa: E402
+from bench.mutation import equivalents  # noqa: E402
+from bench.mutation.map import (  # noqa: E402
     ALSO_COPY,
     DESELECT,
     GROUPS,
@@ -55,7 +55,7 @@ from bench.mutation_map import (  # noqa: E402
     SLOW_OR_MULTIPROCESS_TESTS,
 )
 
-EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
+EQUIVALENT_FILE = ROOT / "bench" / "mutation" / "equivalent.txt"
 # a mutant's test run may take this many times the tests' measured time (+1 s) before it is called
 # a timeout (mutmut's default is 15): a hung copy thread then costs seconds, not a minute, while a
 # run slowed by two or three other processes on the cores is still far inside the bound
@@ -65,8 +65,8 @@ PER_TEST_TIMEOUT_S = 30
 KILLED = {"killed", "caught by type check"}
 # the test run died of a signal (SIGSEGV, or SIGKILL after the CPU limit): the mutant did not pass
 CRASHED = {"segfault"}
-# ``bench.mutation_order``: each mutant's tests run cheapest first (see that module; outcomes unchanged)
-PYTEST_ARGS = ["-p", "no:cacheprovider", "-p", "bench.mutation_order", "-x", "-q", "--hypothesis-seed=0"]
+# ``bench.mutation.order``: each mutant's tests run cheapest first (see that module; outcomes unchanged)
+PYTEST_ARGS = ["-p", "no:cacheprovider", "-p", "bench.mutation.order", "-x", "-q", "--hypothesis-seed=0"]
 MUTMUT = Path(sys.executable).with_name("mutmut")
 RERUN = ("survived", "timeout")  # a resumed run's outcomes that are run again (``rerun_names``)
 COLUMNS = ("generated", "killed", "survived", "timeout", "crashed", "no tests", "other", "not run", "equivalent")
@@ -161,7 +161,7 @@ def _write_settings(pyproject: Path, timeout_line: str, section: str) -> None:
     """Put ``timeout_line`` first in pytest's ini section and append the ``[tool.mutmut]`` ``section``."""
     text = pyproject.read_text()
     if "[tool.mutmut]" in text:
-        raise SystemExit(f"{pyproject} already has [tool.mutmut]: bench/mutation.py owns that section")
+        raise SystemExit(f"{pyproject} already has [tool.mutmut]: bench/mutation/campaign.py owns that section")
     text = text.replace("[tool.pytest.ini_options]\n", f"[tool.pytest.ini_options]\n{timeout_line}\n", 1)
     pyproject.write_text(text + section)
 
@@ -281,7 +281,7 @@ def judge_equivalent(root: Path | None = None) -> tuple[dict[str, str], dict[str
 
     ``root`` is a tree of the library's sources (a snapshot, a commit's extract). An entry whose
     function is gone or changed there since it was judged may name another mutant now
-    (``bench/mutation_equivalents.py``): it is stale, and its survivor counts as a survivor.
+    (``bench/mutation/equivalents.py``): it is stale, and its survivor counts as a survivor.
     Returns:
         (name -> reason of the current entries, name -> why of the stale ones); without ``root``
         every entry is taken as current.
@@ -383,7 +383,7 @@ def main() -> None:
         stale_at_start = stale_equivalents(commit)
         if stale_at_start:     # the guard on the list: its survivors will count as survivors
             print(f"{len(stale_at_start)} listed equivalents are stale at {commit}; re-read them before trusting "
-                  "the rate (bench/mutation_equivalents.py --show NAME, then --refresh NAME or delete):", flush=True)
+                  "the rate (bench/mutation/equivalents.py --show NAME, then --refresh NAME or delete):", flush=True)
             for name, why in stale_at_start.items():
                 print(f"  {name}: {why}", flush=True)
     previous = None
@@ -406,7 +406,7 @@ def main() -> None:
     report(finished, equivalent)
     if stale:
         print(f"\n{len(stale)} listed equivalents are stale at {commit} (their survivors count as survivors; "
-              "re-read them: bench/mutation_equivalents.py --show):")
+              "re-read them: bench/mutation/equivalents.py --show):")
         for name, why in stale.items():
             print(f"  {name}: {why}")
     if args.by_module:

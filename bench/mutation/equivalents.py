@@ -1,4 +1,4 @@
-"""The known-equivalent mutants (``bench/mutation_equivalent.txt``), each tied to the code it was judged on.
+"""The known-equivalent mutants (``bench/mutation/equivalent.txt``), each tied to the code it was judged on.
 
 mutmut names a mutant after its function and a number (``transfer.page_set.xǁPageSetǁfree__mutmut_4``)
 and numbers a function's mutants in the order it makes them: change the function and the same name
@@ -9,16 +9,16 @@ records a hash of its function's source at the time the mutant was judged::
     transfer.page_set.xǁPageSetǁfree__mutmut_4  @1a2b3c4d5e6f  # why it is equivalent
 
 An entry is *stale* when its function is gone or its source no longer hashes to the recorded value.
-``bench/mutation.py`` counts a stale entry's survivor as a survivor, not as an equivalent, and lists
+``bench/mutation/campaign.py`` counts a stale entry's survivor as a survivor, not as an equivalent, and lists
 it, before its first group and in its report (``stale``: plain ``ast``, mutmut not needed); the
 default test suite does not (a refactor of a listed function must not fail the suite). After
 re-reading the entry's diff against its reason (``--show``), ``--refresh NAME ...`` records the
 current hash; an entry whose mutant no longer fits its reason is deleted or rewritten. (The
 numbering is also mutmut's: the ``mutation`` extra pins its version.)
 
-    .venv/bin/python bench/mutation_equivalents.py --check
-    .venv/bin/python bench/mutation_equivalents.py --show [NAME ...]     # needs the mutation extra
-    .venv/bin/python bench/mutation_equivalents.py --refresh NAME ... | --refresh-all
+    .venv/bin/python bench/mutation/equivalents.py --check
+    .venv/bin/python bench/mutation/equivalents.py --show [NAME ...]     # needs the mutation extra
+    .venv/bin/python bench/mutation/equivalents.py --refresh NAME ... | --refresh-all
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-EQUIVALENT_FILE = ROOT / "bench" / "mutation_equivalent.txt"
+ROOT = Path(__file__).resolve().parents[2]
+EQUIVALENT_FILE = ROOT / "bench" / "mutation" / "equivalent.txt"
 HASH_CHARS = 12
 
 

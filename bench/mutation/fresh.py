@@ -1,6 +1,6 @@
 """Mutants of a group whose tests cannot run in a forked child: one fresh interpreter per mutant.
 
-    .venv/bin/python bench/mutation_fresh.py --group transfer.mooncake [--modules mooncake_owned ...]
+    .venv/bin/python bench/mutation/fresh.py --group transfer.mooncake [--modules mooncake.owned ...]
                                              [--commit HEAD] [--workdir mutation-runs] [--jobs 2]
 
 mutmut forks each mutant's test run from a process that has already run the suite. Mooncake's
@@ -11,7 +11,7 @@ mutmut do what works in one process (generate the mutants, run the stats that ma
 to the tests that call it) and then runs each mutant's tests in a new ``python -m pytest`` with
 ``MUTANT_UNDER_TEST`` set (mutmut's trampolines read it), against the real ``mooncake_master``
 those tests start. Outcomes go into ``{workdir}/{commit}/results.json`` next to the forked groups'
-(``bench/mutation.py --report-only`` prints them all): exit 1 killed, 0 survived, past
+(``bench/mutation/campaign.py --report-only`` prints them all): exit 1 killed, 0 survived, past
 ``--timeout`` timeout, killed by a signal crashed; a mutant of a function no selected test calls
 is "no tests"; ``--modules`` limits the run to some modules (the rest stay "not checked", reported
 as not run).
@@ -28,10 +28,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.mutation import _SHOW_ALL, PYTEST_ARGS, configure, snapshot_of  # noqa: E402
+from bench.mutation.campaign import _SHOW_ALL, PYTEST_ARGS, configure, snapshot_of  # noqa: E402
 
 
 def stats_only(snapshot: Path, env: dict) -> None:

@@ -12,7 +12,7 @@ Left out of every group, with the reason:
   per-mutant switch, and each costs seconds of interpreter start per mutant;
 - ``test_model_check`` (35 s, exhaustive) and ``test_properties`` (hypothesis state machine):
   too slow per mutant; what they check is asserted directly by the manager's unit tests;
-- Mooncake (``transfer/storage/mooncake*.py``) is its own group, run against a real ``mooncake_master``
+- Mooncake (``transfer/storage/mooncake/``) is its own group, run against a real ``mooncake_master``
   that its test fixtures start (``pip install -e '.[mooncake]'`` + Debian ``libibverbs1``). Its
   mutants run through mutmut's fork server (``isolation``): a child forked from a process that has
   used a Mooncake client hangs on its first store call, while one forked from a server that only
@@ -59,8 +59,7 @@ GROUPS: dict[str, dict] = {
                   "tests/transfer/test_log.py"],
     },
     "transfer.storage": {
-        "mutate": ["transfer/storage/*.py", "transfer/prefix.py"],
-        "exclude": ["transfer/storage/mooncake*.py"],
+        "mutate": ["transfer/storage/*.py", "transfer/storage/redis/*.py", "transfer/prefix.py"],
         "tests": ["tests/transfer/test_storage.py", "tests/transfer/test_file_storage*.py",
                   "tests/transfer/test_redis_*.py",
                   "tests/transfer/test_integrity.py", "tests/transfer/test_breaker.py",
@@ -70,7 +69,7 @@ GROUPS: dict[str, dict] = {
                   "tests/transfer/test_retention.py", "tests/transfer/test_log.py"],
     },
     "transfer.mooncake": {
-        "mutate": ["transfer/storage/mooncake*.py"],
+        "mutate": ["transfer/storage/mooncake/*.py"],
         "tests": ["tests/transfer/test_mooncake_*.py"],
         "isolation": "forkserver",
         "timeout_constant": 10.0,

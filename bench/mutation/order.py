@@ -10,7 +10,7 @@ stay together, so module-scoped fixtures (a Redis server, a Mooncake master) are
 
 Outcomes do not change: a mutant survives only if every selected test passes, in any order (the
 suite is order-independent; mutmut's clean run, which uses this order too, checks it). Loaded by
-``bench/mutation.py`` with ``-p bench.mutation_order``; without a stats file it leaves the order
+``bench/mutation/campaign.py`` with ``-p bench.mutation.order``; without a stats file it leaves the order
 alone (the stats run itself).
 """
 

@@ -1,6 +1,6 @@
-"""``bench/mutation_equivalents.py``: every listed equivalent is tied to the source of the function it
+"""``bench/mutation/equivalents.py``: every listed equivalent is tied to the source of the function it
 was judged on, so a change that renumbers that function's mutants cannot hide a survivor behind an
-old name. The guard on the repository's list runs in the campaign (``bench/mutation.py``), not here."""
+old name. The guard on the repository's list runs in the campaign (``bench/mutation/campaign.py``), not here."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import mutation
-from bench import mutation_equivalents as eq
+from bench.mutation import campaign
+from bench.mutation import equivalents as eq
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -98,13 +98,13 @@ def test_the_campaign_counts_a_stale_entry_as_a_survivor(tmp_path, monkeypatch):
     fresh, old = judged(root, "pkg.mod.x_helper__mutmut_1", "a"), judged(root, "pkg.mod.xǁPoolǁfree__mutmut_2", "b")
     listing = tmp_path / "eq.txt"
     eq.rewrite([fresh, old], listing)
-    monkeypatch.setattr(mutation, "EQUIVALENT_FILE", listing)
-    assert mutation.load_equivalent() == {fresh.name: "a", old.name: "b"}      # no tree: as listed
+    monkeypatch.setattr(campaign, "EQUIVALENT_FILE", listing)
+    assert campaign.load_equivalent() == {fresh.name: "a", old.name: "b"}      # no tree: as listed
     tree(tmp_path, MODULE.replace("return k * 2", "return k * 3"))
-    equivalent = mutation.load_equivalent(root)
+    equivalent = campaign.load_equivalent(root)
     assert equivalent == {fresh.name: "a"}
-    assert list(mutation.judge_equivalent(root)[1]) == [old.name]
-    c = mutation.tally({fresh.name: "survived", old.name: "survived"}, equivalent)
+    assert list(campaign.judge_equivalent(root)[1]) == [old.name]
+    c = campaign.tally({fresh.name: "survived", old.name: "survived"}, equivalent)
     assert (c["equivalent"], c["survived"]) == (1, 1)
 
 

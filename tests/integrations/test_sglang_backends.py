@@ -59,7 +59,7 @@ def sglang_mooncake_names(page_hash: str, tp_rank: int = 0) -> list[str]:
 def mooncake_pair(make_mooncake):
     """A dedicated master and a segment holder (objects outlive the client that wrote them), and
     SGLang's side: a raw Mooncake client contributing no memory."""
-    from transfer.storage.mooncake_conn import import_store
+    from transfer.storage.mooncake.conn import import_store
 
     master = make_mooncake()
     make_mooncake.holder(master)

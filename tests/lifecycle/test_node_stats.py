@@ -99,9 +99,9 @@ from lifecycle.node_stats import TIER_NAMES, tier_name  # noqa: E402
 from transfer.storage.breaker import CircuitBreaker  # noqa: E402
 from transfer.storage.file import FileStorage  # noqa: E402
 from transfer.storage.memory import MemoryStorage  # noqa: E402
-from transfer.storage.mooncake import MooncakeStorage  # noqa: E402
-from transfer.storage.redis import RedisStorage  # noqa: E402
-from transfer.storage.redis_cluster import RedisClusterStorage  # noqa: E402
+from transfer.storage.mooncake.store import MooncakeStorage  # noqa: E402
+from transfer.storage.redis.store import RedisStorage  # noqa: E402
+from transfer.storage.redis.cluster import RedisClusterStorage  # noqa: E402
 
 
 class ThirdPartyStorage(MemoryStorage):

@@ -14,7 +14,7 @@ from tests.support.sglang_pages import fill_random, random_host, same_kv, sglang
 from transfer import build_stack
 from transfer.errors import StorageConfigError
 from transfer.storage.identity import LAYOUTS, DeploymentIdentity, identity_changes
-from transfer.storage.mooncake_keys import MooncakeNaming
+from transfer.storage.mooncake.keys import MooncakeNaming
 
 HASHES = ["ab" * 32, "0123456789abcdef" * 4]
 TP = [(0, 1), (1, 2), (3, 4)]

@@ -126,7 +126,7 @@ def test_a_decode_run_is_announced_host_then_tier_and_the_subscriber_ends_with_t
 def test_a_redis_tier_announces_writes_evictions_and_deletes_under_its_key_prefix(redis_url):
     import redis
 
-    from transfer.storage.redis import RedisStorage
+    from transfer.storage.redis.store import RedisStorage
 
     store = RedisStorage(redis_url, "_m_0_1", 64, capacity_pages=2, key_prefix="team:")
     rec = Recorder()

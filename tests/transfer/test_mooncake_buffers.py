@@ -1,4 +1,4 @@
-"""``transfer/storage/mooncake_buffers.py`` against a real ``mooncake_master``: what stays registered
+"""``transfer/storage/mooncake/buffers.py`` against a real ``mooncake_master``: what stays registered
 with the Mooncake client is bounded (issue 22, point 5: fresh >= 1 MiB page tensors per call were
 all kept registered, and referenced, until ``close``), while the host pool stays registered."""
 
@@ -14,7 +14,7 @@ import torch
 from lifecycle_tools.testkit.mooncake_server import mooncake_master, mooncake_session_master  # noqa: F401
 from transfer import open_storage
 from transfer.storage.identity import DeploymentIdentity
-from transfer.storage.mooncake_buffers import DEFAULT_MAX_KEPT, BufferRegistry
+from transfer.storage.mooncake.buffers import DEFAULT_MAX_KEPT, BufferRegistry
 
 NB = 1 << 20  # a page of exactly the size the registry keeps
 _n = itertools.count()

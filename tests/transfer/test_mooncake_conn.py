@@ -1,11 +1,11 @@
-"""``transfer/storage/mooncake_conn.py`` without a master: what Mooncake's return codes are called in
+"""``transfer/storage/mooncake/conn.py`` without a master: what Mooncake's return codes are called in
 our log lines and breaker reasons (``mooncake.write_failed code=...``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from transfer.storage import mooncake_conn as conn
+from transfer.storage.mooncake import conn
 
 
 @pytest.mark.parametrize("code,name", [(conn.NO_SPACE, "NO_AVAILABLE_HANDLE(-200)"), (-704, "OBJECT_NOT_FOUND(-704)"),

@@ -1,4 +1,4 @@
-"""``transfer/storage/mooncake_owned.py`` against a real ``mooncake_master``: a Mooncake store only
+"""``transfer/storage/mooncake/owned.py`` against a real ``mooncake_master``: a Mooncake store only
 deletes what it wrote and can prove it wrote, and gets an evicted seal back.
 
 Written from docs/storage.md (the file store never touches another deployment's files; the Mooncake
@@ -65,7 +65,7 @@ def test_a_stale_seal_never_deletes_another_writers_page(store, raw):
 def test_a_failed_seal_write_removes_only_the_objects_it_created(store, raw, monkeypatch):
     """A page write whose seal put fails removes what that put created, never an object that was
     already there (SGLang's K here)."""
-    from transfer.storage import mooncake_conn as conn
+    from transfer.storage.mooncake import conn
 
     h = fresh_hashes(1)[0]
     ours, theirs = pages(2, seed=12)
@@ -93,7 +93,7 @@ def test_a_page_whose_k_write_failed_but_whose_seal_was_stored_misses_until_the_
     this page's name and bytes, so it is not wrong, only early). Reads miss (K is missing); the next
     ``batch_set`` of the page stores K, keeps V and the seal (Mooncake keeps an existing object)
     and the page is served, byte-exact."""
-    from transfer.storage import mooncake_conn as conn
+    from transfer.storage.mooncake import conn
 
     h = fresh_hashes(1)[0]
     ours = pages(1, seed=17)[0]
@@ -123,7 +123,7 @@ def test_objects_a_failed_seal_write_created_are_removed_even_while_a_reader_hol
     """Between our put and its rollback a reader (SGLang on another node) reads the new K and V,
     which gives them a lease (Mooncake then refuses a plain ``remove`` with OBJECT_HAS_LEASE). The
     rollback still removes them: no page of ours stays without its seal."""
-    from transfer.storage import mooncake_conn as conn
+    from transfer.storage.mooncake import conn
 
     h = fresh_hashes(1)[0]
     ours = pages(1, seed=16)[0]
@@ -149,8 +149,8 @@ def test_objects_a_failed_seal_write_created_are_removed_even_while_a_reader_hol
 def test_remove_created_counts_the_objects_it_removed():
     """``_remove_created`` removes only what the put stored and did not exist before, and returns
     how many removals succeeded (a removal the store refuses is not counted)."""
-    from transfer.storage import mooncake_conn as conn
-    from transfer.storage.mooncake_owned import MooncakeOwnership
+    from transfer.storage.mooncake import conn
+    from transfer.storage.mooncake.owned import MooncakeOwnership
 
     class Store:
         def __init__(self, refused):
@@ -225,7 +225,7 @@ from structlog.testing import capture_logs  # noqa: E402
 import pytest  # noqa: E402
 
 from transfer.errors import StorageUnavailable  # noqa: E402
-from transfer.storage import mooncake_conn as conn  # noqa: E402
+from transfer.storage.mooncake import conn  # noqa: E402
 from tests.transfer.test_mooncake_storage import _replace as put_raw  # noqa: E402
 
 
@@ -371,7 +371,7 @@ def test_only_the_page_whose_seal_failed_is_rolled_back_in_a_batch(store, raw, m
 from tests.support.transfer_helpers import drain  # noqa: E402
 from tests.transfer.test_mooncake_storage import DIM, HEADS, LAYERS, MHA as HOST_FORMAT, PS  # noqa: E402
 from transfer import build_stack  # noqa: E402
-from transfer.storage.mooncake_keys import MooncakeNaming  # noqa: E402
+from transfer.storage.mooncake.keys import MooncakeNaming  # noqa: E402
 
 
 def test_two_deployments_of_other_host_layouts_never_destroy_each_others_pages(module_master, shared_store, raw):

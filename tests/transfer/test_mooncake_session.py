@@ -1,4 +1,4 @@
-"""``transfer/storage/mooncake_session.py`` without a master: a lazy store connects in the background,
+"""``transfer/storage/mooncake/session.py`` without a master: a lazy store connects in the background,
 retrying after 0.5 s, 1 s, 2 s ... capped at 30 s (docs/storage.md, *No master at open*), logging
 each failed attempt, until it connects or is closed.
 
@@ -18,9 +18,9 @@ import pytest
 from structlog.testing import capture_logs
 
 from transfer.errors import StorageUnavailable
-from transfer.storage import mooncake_conn as conn
-from transfer.storage import mooncake_session
-from transfer.storage.mooncake_session import ClientSession
+from transfer.storage.mooncake import conn
+from transfer.storage.mooncake import session as mooncake_session
+from transfer.storage.mooncake.session import ClientSession
 
 
 class FakeClient:

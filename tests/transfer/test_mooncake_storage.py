@@ -26,10 +26,10 @@ from tests.support.sglang_pages import fill_random, random_host, same_kv, sglang
 from transfer import build_stack, open_storage
 from transfer.errors import InvalidKey, PageSizeMismatch, StorageConfigError, StorageUnavailable
 from transfer.storage.integrity import PageFormat
-from transfer.storage.mooncake import MooncakeStorage
-from transfer.storage.mooncake_conn import EXTRA_HINT, import_store, parse_size, parse_spec
+from transfer.storage.mooncake.store import MooncakeStorage
+from transfer.storage.mooncake.conn import EXTRA_HINT, import_store, parse_size, parse_spec
 from transfer.storage.identity import DeploymentIdentity
-from transfer.storage.mooncake_keys import MooncakeNaming
+from transfer.storage.mooncake.keys import MooncakeNaming
 
 PS, LAYERS, HEADS, DIM = 4, 2, 2, 8
 MHA = PageFormat.of("page_first", torch.bfloat16, (2, PS, LAYERS, HEADS, DIM))
@@ -543,7 +543,7 @@ def test_setup_noise_is_dropped_and_every_other_stderr_line_kept():
 
     child = textwrap.dedent('''
         import os
-        from transfer.storage.mooncake_conn import setup_noise_dropped
+        from transfer.storage.mooncake.conn import setup_noise_dropped
         with setup_noise_dropped():
             os.write(2, b"WARNING: Logging before InitGoogleLogging() is written to STDERR\\n")
             os.write(2, b"E1201 18:28:08.365532  8881 transfer_metadata.cpp:1098] Local segment descriptor not found\\n")

@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from tests.transfer.test_prefix import PS, store_request
 from transfer import StorageUnavailable, build_stack
 from transfer.storage.breaker import CircuitBreaker
-from transfer.storage.redis import RedisStorage
+from transfer.storage.redis.store import RedisStorage
 
 
 class Clock:

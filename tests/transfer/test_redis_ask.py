@@ -1,4 +1,4 @@
-"""``transfer/storage/redis_ask.py``: Redis Cluster ``ASK`` redirections on a real 3-master cluster
+"""``transfer/storage/redis/ask.py``: Redis Cluster ``ASK`` redirections on a real 3-master cluster
 (started by the test kit) with hash slots really migrating (``CLUSTER SETSLOT ... MIGRATING`` /
 ``IMPORTING``, ``MIGRATE``) while pages are written and read.
 
@@ -234,7 +234,7 @@ def test_an_asking_refused_is_the_error_of_the_command_behind_it(redis_url):
     """``send_asking``: a node that refuses ``ASKING`` (here a server without cluster support) has
     not taken the command as an ``ASK`` resend, so that command's result is the refusal."""
     import redis
-    from transfer.storage.redis_ask import send_asking
+    from transfer.storage.redis.ask import send_asking
     client = redis.Redis.from_url(redis_url)
     name = f"ask-refused-{next(_n)}".encode()
     packed = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$1\r\nv\r\n" % (len(name), name)
@@ -247,7 +247,7 @@ def test_values_read_through_ask_are_handed_over_as_the_wire_reader_hands_them()
     """``deliver``: nil and errors with an empty head; a value as its length and its head, the
     rest copied into the page only when it fits exactly (as ``redis_reader`` does)."""
     from redis import ResponseError
-    from transfer.storage.redis_ask import deliver
+    from transfer.storage.redis.ask import deliver
     seen = []
     on_reply = lambda j, reply, head: seen.append((j, reply, bytes(head)))  # noqa: E731
     dest = memoryview(bytearray(b"...."))
@@ -264,8 +264,8 @@ def test_an_ask_naming_a_node_outside_the_cluster_is_a_connection_error(redis_cl
     from redis.cluster import RedisCluster as ClusterClient
     from redis.exceptions import AskError
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from transfer.storage.redis_ask import ask_node
-    from transfer.storage.redis_cluster import node_url
+    from transfer.storage.redis.ask import ask_node
+    from transfer.storage.redis.cluster import node_url
     client = ClusterClient.from_url(node_url(redis_cluster.url))
     with pytest.raises(RedisConnectionError, match=r"^ASK names 127\.0\.0\.1:1, not a node of the cluster$"):
         ask_node(client, AskError("3999 127.0.0.1:1"))

@@ -19,7 +19,7 @@ from tests.support.transfer_helpers import drain, never_accepting_port
 from transfer import build_stack, open_storage
 from transfer.errors import StorageConfigError, StorageUnavailable
 from transfer.storage.integrity import SEAL_NBYTES, PageFormat
-from transfer.storage.redis_cluster import RedisClusterStorage, node_url, split_commands
+from transfer.storage.redis.cluster import RedisClusterStorage, node_url, split_commands
 
 NB = 256
 FMT = PageFormat.of("raw", torch.uint8, (NB,))

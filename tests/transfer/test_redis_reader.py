@@ -1,4 +1,4 @@
-"""The Redis read path at wire level (``transfer/storage/redis_reader.py``) against a real
+"""The Redis read path at wire level (``transfer/storage/redis/reader.py``) against a real
 ``redis-server``: replies read straight into page tensors, and every way a reply can go wrong —
 an error reply mid-pipeline, nil, a value of the wrong length, a connection cut mid-value, bytes
 the reader did not ask for — is a miss or a typed error, never a wrong page and never a half-read
@@ -17,9 +17,9 @@ from redis.cluster import RedisCluster as ClusterClient
 from lifecycle_tools.testkit.redis_cluster import redis_cluster  # noqa: F401 (fixture)
 from transfer import StorageUnavailable
 from transfer.storage.integrity import raw_format, seal
-from transfer.storage.redis import HEADER_NBYTES, RedisStorage
-from transfer.storage.redis_cluster import RedisClusterStorage, node_url
-from transfer.storage.redis_reader import GetReader, ProtocolError, _Wire, pack_gets
+from transfer.storage.redis.store import HEADER_NBYTES, RedisStorage
+from transfer.storage.redis.cluster import RedisClusterStorage, node_url
+from transfer.storage.redis.reader import GetReader, ProtocolError, _Wire, pack_gets
 
 NB = 4096
 SUF = "_r_0_1"

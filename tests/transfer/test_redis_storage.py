@@ -21,7 +21,7 @@ from transfer import StorageUnavailable, build_stack, open_storage
 from transfer.errors import StorageConfigError
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import PageFormat, raw_format, seal
-from transfer.storage.redis import HEADER_NBYTES, RedisStorage
+from transfer.storage.redis.store import HEADER_NBYTES, RedisStorage
 
 NB = 64
 

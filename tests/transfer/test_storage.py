@@ -36,7 +36,7 @@ def make(request, tmp_path):
         elif request.param == "file":
             s = FileStorage(tmp_path / "store", SUFFIX, NB, **kw)
         else:
-            from transfer.storage.redis import RedisStorage
+            from transfer.storage.redis.store import RedisStorage
             s = RedisStorage(url, SUFFIX, NB, **kw)
         built.append(s)
         return s
@@ -171,7 +171,7 @@ def _tamper(make, s, key: str, fn) -> None:
             f.write(body)
     else:
         import redis
-        from transfer.storage.redis import HEADER_NBYTES
+        from transfer.storage.redis.store import HEADER_NBYTES
         c = redis.Redis.from_url(make.url)
         value = c.get(name)
         c.set(name, value[:HEADER_NBYTES] + fn(value[HEADER_NBYTES:]))

@@ -190,7 +190,7 @@ def test_memory_store_sizes_are_typed_errors():
 
 
 def test_redis_sizes_and_timeouts_are_refused_before_connecting():
-    from transfer.storage.redis import RedisStorage
+    from transfer.storage.redis.store import RedisStorage
 
     url = "redis://127.0.0.1:1/0"  # nothing listens: a refusal must come before any connection
     for kw in (dict(pipeline_bytes=0), dict(capacity_pages=0), dict(connect_timeout_s=math.nan),

@@ -15,8 +15,8 @@ __all__ = [
     "PageFormat", "RedisClusterStorage", "RedisStorage", "RedisStorageStats", "Storage", "StorageStats", "Verdict",
     "is_redis_spec", "is_server_spec", "open_storage",
 ]
-_LAZY = {"RedisStorage": "redis", "RedisStorageStats": "redis", "RedisClusterStorage": "redis_cluster",
-         "MooncakeStorage": "mooncake"}
+_LAZY = {"RedisStorage": "redis.store", "RedisStorageStats": "redis.store", "RedisClusterStorage": "redis.cluster",
+         "MooncakeStorage": "mooncake.store"}
 
 
 def __getattr__(name):  # a server's client library is imported only when its backend is used

@@ -2,7 +2,7 @@
 
 Every name a tier stores a page under is a function of this value, never parsed back from a
 string: the file suffix (SGLang 0.5.19 ``HiCacheFile.config_suffix``), the Mooncake object names
-(SGLang's ``MooncakeStore``; ``transfer.storage.mooncake_keys.MooncakeNaming.of``) and the Redis
+(SGLang's ``MooncakeStore``; ``transfer.storage.mooncake.keys.MooncakeNaming.of``) and the Redis
 keys. The host layout says in which byte order a page is written (``transfer.storage.layout``) and
 is recorded in every page's seal, so a reader of another layout refuses it.
 

@@ -101,7 +101,7 @@ def open_storage(
         spec: ``"memory"``, ``"file:DIR"`` (``~`` expanded), or a server URL ``redis://host:port/db``
             (also ``rediss://``, ``unix://path?db=N``; ``valkey://`` is an alias of ``redis://``),
             or ``redis+cluster://HOST:PORT`` (any node of a Redis/Valkey Cluster), or
-            ``mooncake://HOST:PORT?options`` (a Mooncake master; see ``mooncake_conn``; identity
+            ``mooncake://HOST:PORT?options`` (a Mooncake master; see ``transfer.storage.mooncake.conn``; identity
             options as in the module docstring).
         suffix: a literal deployment suffix for a store opened without an identity (file, Redis,
             memory: ``{hash}{suffix}``); with an identity it must be '' or the identity's.
@@ -165,7 +165,7 @@ def _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, key_prefix
         return FileStorage(os.path.expanduser(spec[5:]), suffix, page_nbytes, capacity_bytes,
                            require_checksum=require_checksum, page_format=page_format)
     if is_redis_spec(spec):
-        from transfer.storage.redis import RedisStorage
+        from transfer.storage.redis.store import RedisStorage
 
         url = "redis://" + spec[len("valkey://"):] if spec.startswith("valkey://") else spec
         url = "rediss://" + spec[len("valkeys://"):] if spec.startswith("valkeys://") else url
@@ -173,14 +173,14 @@ def _open(spec, suffix, page_nbytes, identity, capacity_bytes, ttl_s, key_prefix
                             page_format=page_format, connect_timeout_s=connect_timeout_s,
                             key_prefix=key_prefix + (identity.redis_key_prefix if identity is not None else ""))
     if isinstance(spec, str) and spec.startswith(CLUSTER_SCHEMES):
-        from transfer.storage.redis_cluster import RedisClusterStorage
+        from transfer.storage.redis.cluster import RedisClusterStorage
 
         return RedisClusterStorage(spec, suffix, page_nbytes, ttl_s, capacity_bytes=capacity_bytes,
                                    page_format=page_format, connect_timeout_s=connect_timeout_s,
                                    key_prefix=key_prefix + (identity.redis_key_prefix if identity is not None else ""))
     if isinstance(spec, str) and spec.startswith("mooncake://"):
-        from transfer.storage.mooncake import MooncakeStorage
-        from transfer.storage.mooncake_conn import parse_spec
+        from transfer.storage.mooncake.store import MooncakeStorage
+        from transfer.storage.mooncake.conn import parse_spec
 
         if identity is None and suffix:
             raise StorageConfigError(

@@ -171,7 +171,7 @@ def mooncake_settings(extra: Mapping, environ: Mapping[str, str], *, tp_rank: in
             group semantics, a non-default tenant, SSD offload), an extra-config key SGLang does not
             read, a malformed value; one line naming the setting and where it came from.
     """
-    from transfer.storage.mooncake_conn import MooncakeSettings  # noqa: PLC0415 (Mooncake is optional)
+    from transfer.storage.mooncake.conn import MooncakeSettings  # noqa: PLC0415 (Mooncake is optional)
 
     unknown = sorted(set(extra) - set(MOONCAKE_EXTRA_KEYS))
     if unknown:

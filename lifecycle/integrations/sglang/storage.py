@@ -141,7 +141,7 @@ def open_storage(config: OffloadConfig, host: HostPool, tp_rank: int, tp_size: i
                 f"file backend directory {config.storage_dir!r} is not writable "
                 f"(SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR): {err}") from err
     elif plan.mooncake is not None:
-        from transfer.storage.mooncake import MooncakeStorage  # noqa: PLC0415 (Mooncake is optional)
+        from transfer.storage.mooncake.store import MooncakeStorage  # noqa: PLC0415 (Mooncake is optional)
 
         try:
             store = stored_in_layout(

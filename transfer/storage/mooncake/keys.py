@@ -19,7 +19,7 @@ the page and V likewise — exactly the first and second half of our page bytes
 page. MLA's object is the whole page ``[page_size, layers, 1, width]``.
 
 Our only addition is one small object per page, ``f"{base}_{rank_suffix}_kvlp"`` (the seal; see
-``transfer.storage.mooncake``), which SGLang never reads: ``_kvlp`` is not a suffix SGLang uses.
+``transfer.storage.mooncake.store``), which SGLang never reads: ``_kvlp`` is not a suffix SGLang uses.
 
 The naming is built from the deployment identity (``MooncakeNaming.of``), never parsed back from a
 suffix string. SGLang leaves the attention context-parallel rank out of its object names, so CP

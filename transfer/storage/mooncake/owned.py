@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from transfer.log import get_logger
-from transfer.storage import mooncake_conn as conn
+from transfer.storage.mooncake import conn
 from transfer.storage.integrity import written_by_another
 
 log = get_logger("transfer.storage.mooncake")

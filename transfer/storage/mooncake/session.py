@@ -2,7 +2,7 @@
 count calls in flight, and close without freezing the process.
 
 Mooncake's client ``setup`` and ``close`` hold the GIL (measured: every Python thread stops for
-their duration), so connecting is bounded by ``mooncake_conn.connect`` and closing runs on a
+their duration), so connecting is bounded by ``conn.connect`` and closing runs on a
 background thread, after the calls in flight have ended, and only when the master answers.
 """
 
@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transfer.errors import StorageUnavailable
 from transfer.log import get_logger
-from transfer.storage import mooncake_conn as conn
-from transfer.storage.mooncake_buffers import BufferRegistry
+from transfer.storage.mooncake import conn
+from transfer.storage.mooncake.buffers import BufferRegistry
 
 log = get_logger(__name__)
 
@@ -41,9 +41,9 @@ class ClientSession:
     registry and put configuration, for a subclass that uses them.
 
     Args:
-        settings: ``mooncake_conn.MooncakeSettings``; ``lazy`` connects in the background.
+        settings: ``conn.MooncakeSettings``; ``lazy`` connects in the background.
     Raises:
-        StorageUnavailable: not lazy, and ``mooncake_conn.connect`` failed (bounded time).
+        StorageUnavailable: not lazy, and ``conn.connect`` failed (bounded time).
     """
 
     def __init__(self, settings: conn.MooncakeSettings) -> None:
@@ -99,7 +99,7 @@ class ClientSession:
         Mooncake's client ``close`` holds the GIL: 1-2 s with the master up, ~17 s with it down.
         So it runs on a non-daemon thread after any stuck existence check ends (``wait=True``:
         on the caller's), and only when the master answers a TCP probe; otherwise the client is
-        parked (never closed or destroyed, see ``mooncake_conn.park``) rather than freeze the
+        parked (never closed or destroyed, see ``conn.park``) rather than freeze the
         process."""
         with self._lock:
             if self._closed.is_set():

@@ -1,6 +1,6 @@
 """Mooncake Store page storage, object-compatible with SGLang's Mooncake HiCache backend.
 
-**Objects.** A page is stored as SGLang 0.5.19 stores it (``transfer.storage.mooncake_keys``):
+**Objects.** A page is stored as SGLang 0.5.19 stores it (``transfer.storage.mooncake.keys``):
 MHA as ``{prefix}_{hash}_{tp}_k`` and ``_v`` (the two halves of our page, zero-copy), MLA as one
 ``{prefix}_{hash}__k``; the bytes are the raw page, no header. So an SGLang node using Mooncake
 reads our pages and we read its pages.
@@ -14,7 +14,7 @@ and a page whose seal write failed has the objects that write created removed ag
 without its seal (a reader in between sees a complete page without one: served as unverified, or
 a miss in strict mode — never wrong bytes). A read fetches the objects and the seal in one batch and
 serves the page only when the seal verifies; a corrupt page is a miss and nothing of it is removed
-(bytes that fail our seal are not provably ours: ``mooncake_owned``). A page with
+(bytes that fail our seal are not provably ours: ``owned``). A page with
 no seal (written by SGLang) is served and counted ``unverified`` (a warning the first time), or
 is a miss with ``require_checksum``. Costs: one more object per page on the master and in each
 read/write batch (~104 bytes); and two nodes racing to write the same new page may pair one's
@@ -35,17 +35,17 @@ import torch
 
 from transfer.errors import InvalidPage, StorageConfigError, StorageUnavailable
 from transfer.log import RateLimitedLog, get_logger
-from transfer.storage import mooncake_conn as conn
+from transfer.storage.mooncake import conn
 from transfer.storage.base import Storage, StorageStats
 from transfer.storage.checks import check_batch, check_store
 from transfer.storage.breaker import CircuitBreaker
 from transfer.storage.integrity import SEAL_NBYTES, PageFormat, Verdict, check_keys, seal, verify
-from transfer.storage.mooncake_owned import MooncakeOwnership
-from transfer.storage.mooncake_session import ClientSession, tracked
+from transfer.storage.mooncake.owned import MooncakeOwnership
+from transfer.storage.mooncake.session import ClientSession, tracked
 from transfer.storage.identity import DeploymentIdentity
-from transfer.storage.mooncake_keys import MooncakeNaming
+from transfer.storage.mooncake.keys import MooncakeNaming
 
-log = get_logger(__name__)
+log = get_logger("transfer.storage.mooncake")  # the package's logger, as owned.py's
 _SLOT = 128  # bytes per seal in a batch's seal buffer (>= SEAL_NBYTES)
 
 
@@ -63,7 +63,7 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
     """Pages in a Mooncake store (see the module docstring for objects and integrity).
 
     Args:
-        settings: ``mooncake_conn.MooncakeSettings`` (``parse_spec`` of a ``mooncake://`` URL).
+        settings: ``conn.MooncakeSettings`` (``parse_spec`` of a ``mooncake://`` URL).
         suffix: must be '' or the identity's file suffix: object names come from ``identity``,
             never from parsing a suffix.
         page_nbytes: required page size.
@@ -185,7 +185,7 @@ class MooncakeStorage(MooncakeOwnership, ClientSession, Storage):
         seal evicted) gets the seal back when the K/V bytes are this page's, else it is someone
         else's page and stays untouched — already there (True, ``foreign_kept``, no warning); so
         does a page whose seal proves another deployment wrote it and whose K or V is gone
-        (``mooncake_owned``). Raises ``StorageUnavailable`` when the master is away (nothing
+        (``owned``). Raises ``StorageUnavailable`` when the master is away (nothing
         written)."""
         self._check(keys, pages)
         results = [False] * len(keys)

@@ -5,12 +5,12 @@ longer holds — or, for a write, a key it does not have — with ``-ASK slot ho
 command* must be sent to the named node (``IMPORTING``), preceded by ``ASKING`` on the same
 connection, and the slot map must **not** be changed (the slot still belongs to the source until
 the migration ends; later commands for the slot go to the source first). A ``MOVED`` reply, by
-contrast, means the slot has moved for good: the map is refreshed (``redis_cluster``).
+contrast, means the slot has moved for good: the map is refreshed (``cluster``).
 
 ``ASK`` is rare (a resharding window), so the resent commands take the plain path: the packed
 ``SET`` commands as they are, each behind ``ASKING`` in one write; ``GET``/``GETEX`` through a
 pipeline of the node's client, the values then handed to the caller's ``on_reply`` exactly as the
-zero-copy reader (``redis_reader``) hands them.
+zero-copy reader (``reader``) hands them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from redis.exceptions import AskError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from transfer.storage.redis_wire import send_and_read
+from transfer.storage.redis.wire import send_and_read
 
 ASKING = b"*1\r\n$6\r\nASKING\r\n"
 
@@ -78,9 +78,9 @@ def get_asking(node_client, names: Sequence[bytes], ttl_ms: int | None) -> list:
 
 
 def deliver(j: int, value, dest: memoryview, head_nbytes: int, on_reply) -> object:
-    """Hand ``value`` (a ``get_asking`` result) to ``on_reply`` as ``redis_reader`` does: the
+    """Hand ``value`` (a ``get_asking`` result) to ``on_reply`` as ``reader`` does: the
     value's length and its first ``head_nbytes`` bytes, the rest copied into ``dest`` only when
-    it fits exactly. Returns what ``redis_reader`` returns for it (length, None or the error)."""
+    it fits exactly. Returns what ``reader`` returns for it (length, None or the error)."""
     if value is None or isinstance(value, Exception):
         on_reply(j, value, memoryview(b""))
         return value

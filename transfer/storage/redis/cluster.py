@@ -5,13 +5,13 @@ redis-py's ``RedisCluster`` client discovers the others and the slot map (hiredi
 Everything about a page — key, value (seal + bytes), ``SET NX``, verification, TTL, repair — is
 ``RedisStorage``'s; only how commands reach the servers differs:
 
-* a batch's packed ``SET`` commands (one buffer, see ``redis_wire``) are split by the key's hash
+* a batch's packed ``SET`` commands (one buffer, see ``wire``) are split by the key's hash
   slot into one pipeline per primary owning those slots, each sent with one write and read back
   in order; a ``MOVED`` reply (the slot moved for good) points the slot map's entry for that slot
   at the node the reply names and resends those commands once; an ``ASK`` reply (the slot is migrating) resends that command behind ``ASKING`` to the
-  node named, without touching the slot map (``redis_ask``, per the Redis Cluster spec);
+  node named, without touching the slot map (``ask``, per the Redis Cluster spec);
 * a batch's ``GET`` commands are split the same way, one pipeline per primary, each read straight
-  into the page tensors (``redis_reader``); ``MOVED`` and ``ASK`` are handled as for writes;
+  into the page tensors (``reader``); ``MOVED`` and ``ASK`` are handled as for writes;
 * other batches (existence checks, deletes) go through redis-py's cluster pipeline, which groups
   commands by node the same way and follows ``MOVED``/``ASK`` itself; multi-key ``DELETE`` is sent
   key by key (keys of a batch live in different slots).
@@ -34,9 +34,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
 from transfer.errors import StorageConfigError, StorageUnavailable
-from transfer.storage.redis import RedisStorage, check_url, redact
-from transfer.storage.redis_ask import ask_node, deliver, get_asking, send_asking
-from transfer.storage.redis_wire import send_and_read
+from transfer.storage.redis.store import RedisStorage, check_url, redact
+from transfer.storage.redis.ask import ask_node, deliver, get_asking, send_asking
+from transfer.storage.redis.wire import send_and_read
 
 CLUSTER_SCHEMES = {"redis+cluster://": "redis://", "rediss+cluster://": "rediss://",
                    "valkey+cluster://": "redis://", "valkeys+cluster://": "rediss://"}
@@ -140,7 +140,7 @@ class RedisClusterStorage(RedisStorage):
 
     def _write_wire(self, payload: memoryview, n: int) -> list:
         """The packed ``SET`` commands, one pipeline per primary owning their slots. ``ASK``: the
-        command again behind ``ASKING`` to the node named, slot map unchanged (``redis_ask``);
+        command again behind ``ASKING`` to the node named, slot map unchanged (``ask``);
         ``MOVED``: the slot's entry pointed at the node named (``_follow_moved``) and the command
         resent once."""
         commands = split_commands(payload, n)
@@ -172,7 +172,7 @@ class RedisClusterStorage(RedisStorage):
     def _read_wire(self, names: list[bytes], dests: list, on_reply) -> list:
         """The ``GET`` commands, one pipeline per primary owning their slots, read into ``dests``.
         ``ASK``: asked again behind ``ASKING`` at the node named, slot map unchanged
-        (``redis_ask``); ``MOVED``: the slot's entry pointed at the node named (``_follow_moved``)
+        (``ask``); ``MOVED``: the slot's entry pointed at the node named (``_follow_moved``)
         and asked again once."""
         replies: list = [None] * len(names)
         pending = list(range(len(names)))

@@ -1,6 +1,6 @@
 """``RedisStorage``'s read path (a mixin, one concept per file): ``batch_get`` reads each value
-from the socket straight into the caller's page tensor (``redis_reader``) and verifies its seal
-there; see ``transfer.storage.redis`` for the store's contracts."""
+from the socket straight into the caller's page tensor (``reader``) and verifies its seal
+there; see ``transfer.storage.redis.store`` for the store's contracts."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class RedisReads:
         """See ``Storage.batch_get``. A page failing its checks is a miss (its bytes are never
         left in ``into[i]``). Raises ``StorageUnavailable`` when the server is unreachable.
 
-        Each value is read from the socket straight into ``into[i]`` (``redis_reader``) and its
+        Each value is read from the socket straight into ``into[i]`` (``reader``) and its
         seal verified there, over the page name, format and the bytes in place."""
         check_batch(keys, into, self.page_nbytes)
         n = len(keys)
@@ -92,7 +92,7 @@ class RedisReads:
         return check
 
     def _read_wire(self, names: list[bytes], dests: list[memoryview], on_reply) -> list:
-        """``GET`` each name into its destination (``redis_reader``); per name its reply."""
+        """``GET`` each name into its destination (``reader``); per name its reply."""
         return self._reader.get_into(self._client, names, self.ttl_ms, dests, on_reply)
 
     def _settle_reads(self, run, names, sizes, results) -> None:

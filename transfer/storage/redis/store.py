@@ -5,8 +5,8 @@ from ``hashing.storage_suffix``, so ranks and models never collide). Value: the 
 seal (``transfer.storage.integrity``: magic, version, size, XXH3-128 digest over name + format +
 bytes, name fingerprint, layout, dtype, shape) followed by the page's raw bytes. A batch's
 ``SET`` commands are packed into one reusable buffer (each page copied once, from its tensor) and
-sent with one ``sendall`` (``redis_wire``; replies parsed by hiredis). A batch's ``GET`` replies
-are read from the socket straight into the caller's page tensors (``redis_reader``: the page is
+sent with one ``sendall`` (``wire``; replies parsed by hiredis). A batch's ``GET`` replies
+are read from the socket straight into the caller's page tensors (``reader``: the page is
 copied once, kernel to tensor) and each seal is verified there, over descriptor + the bytes in
 place; a value of the wrong length is never written into the tensor, a refused page of the right
 length is zeroed, and a connection that failed mid-reply is dropped, never reused.
@@ -62,12 +62,12 @@ from transfer.storage.integrity import (
     written_by_another,
 )
 from transfer.storage.lru import LruIndex
-from transfer.storage.redis_conn import _client_from_url, check_url, redact  # noqa: F401 (re-exported)
-from transfer.storage.redis_get import RedisReads, _raw
-from transfer.storage.redis_reader import GetReader
-from transfer.storage.redis_wire import SetBatch, send_and_read
+from transfer.storage.redis.conn import _client_from_url, check_url, redact  # noqa: F401 (re-exported)
+from transfer.storage.redis.get import RedisReads, _raw
+from transfer.storage.redis.reader import GetReader
+from transfer.storage.redis.wire import SetBatch, send_and_read
 
-log = get_logger(__name__)
+log = get_logger("transfer.storage.redis")  # the package's logger, as get.py's
 
 HEADER_NBYTES = SEAL_NBYTES  # the seal in front of every value (104 bytes)
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -85,7 +85,7 @@ class RedisStorageStats(StorageStats):
 
 class RedisStorage(RedisReads, Storage):
     """Pages in a Redis or Valkey server (redis-py client with hiredis, ``redis://`` / ``rediss://``
-    / ``unix://``; reads use the client's pooled connections through ``redis_reader``).
+    / ``unix://``; reads use the client's pooled connections through ``reader``).
 
     Args:
         url: e.g. ``redis://127.0.0.1:6379/0``.
