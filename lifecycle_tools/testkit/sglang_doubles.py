@@ -253,7 +253,8 @@ def runtime_context(*, page_size: int = 16, backend: str | None = "file", model:
                     size_gb: float = 0, extra_config: str | None = None, pp_rank: int = 0, pp_size: int = 1,
                     dcp_enabled: bool = False) -> SimpleNamespace:
     """An object with ``runtime_context``'s four getters returning namespace bags of SGLang's
-    field names (defaults: SGLang's, with the file backend and a 2.0 host ratio)."""
+    field names (defaults: SGLang's, with the file backend and a 2.0 host ratio), declaring
+    ``sglang_version`` 0.5.19: the release whose classes these doubles imitate."""
     schedule = SimpleNamespace(page_size=page_size)
     memory = SimpleNamespace(
         hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra_config,
@@ -261,4 +262,4 @@ def runtime_context(*, page_size: int = 16, backend: str | None = "file", model:
     serving = SimpleNamespace(served_model_name=model)
     parallel = SimpleNamespace(pp_rank=pp_rank, pp_size=pp_size, dcp_enabled=dcp_enabled)
     return SimpleNamespace(get_schedule=lambda: schedule, get_memory=lambda: memory,
-                           get_serving=lambda: serving, get_parallel=lambda: parallel)
+                           get_serving=lambda: serving, get_parallel=lambda: parallel, sglang_version="0.5.19")

@@ -39,11 +39,28 @@ def sglang_kit() -> SimpleNamespace:
             row = self.req_to_token_pool.req_to_token[kv.req_pool_idx]
             self.freed_rows.append((kv.req_pool_idx, list(ranges)))
             free_kv_row_segments(self.token_to_kv_pool_allocator, [(row[s:e], s) for s, e in ranges],
-                                 swa_evicted_seqlen=kv.swa_evicted_seqlen)
+                                 swa_evicted_seqlen=swa_evicted_seqlen(kv))
 
     return SimpleNamespace(
         name="sglang", Req=Req, ReqToTokenPool=ReqToTokenPool, MHATokenToKVPool=MHATokenToKVPool,
         MLATokenToKVPool=MLATokenToKVPool, Allocator=PagedTokenToKVPoolAllocator, TreeCache=TreeCache)
+
+
+def sglang_version() -> str | None:
+    """The installed sglang's release (None without sglang)."""
+    from lifecycle.integrations.sglang.versions import installed_version
+
+    return installed_version()
+
+
+def swa_evicted_seqlen(kv) -> int:
+    """SGLang's SWA eviction cursor of a ``ReqKvInfo``: 0.5.19's ``swa_evicted_seqlen``, 0.5.23's
+    ``get_evicted_seqlen(ComponentType.SWA)``."""
+    if hasattr(kv, "swa_evicted_seqlen"):
+        return kv.swa_evicted_seqlen
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    return kv.get_evicted_seqlen(ComponentType.SWA)
 
 
 def expected_kv(rid: str, positions: int, kinds: int, layers: int, heads: int, dim: int, dtype) -> torch.Tensor:
@@ -77,7 +94,8 @@ class Node:
         pages for the prompt, its KV written, the first token sampled."""
         req = self.kit.Req(rid, prompt, max_new)
         req.prefix_indices = torch.arange(prefix, dtype=torch.int64)
-        self.tree.protected_size_ += prefix
+        if prefix:  # 0.5.19's accounting of a matched prefix (0.5.23's trees lock it instead)
+            self.tree.protected_size_ += prefix
         assert self.pool.alloc([req]) is not None
         self.expected[rid] = expected_kv(rid, len(prompt) + max_new + 1, self.kinds, self.layers, self.heads,
                                          self.dim, self.dtype)

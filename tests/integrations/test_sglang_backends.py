@@ -23,7 +23,7 @@ from lifecycle_tools.testkit.mooncake_server import (  # noqa: F401 (fixtures)
     make_mooncake, mooncake_session_master, require_mooncake,
 )
 from lifecycle_tools.testkit.sglang_doubles import runtime_context
-from tests.integrations.sglang_kit import Node, doubles_kit, require_sglang, sglang_kit
+from tests.integrations.sglang_kit import Node, doubles_kit, require_sglang, sglang_kit, sglang_version
 from tests.integrations.test_sglang import expected_pages, run_decode
 from transfer.host_pool import HostPool
 
@@ -265,7 +265,7 @@ import structlog  # noqa: E402
 
 from lifecycle.integrations.sglang.backends import storage_config  # noqa: E402
 from lifecycle.integrations.sglang.storage import ReplicaStorage, open_storage, plan_storage  # noqa: E402
-from tests.data import sglang_0_5_19  # noqa: E402
+from tests.data import sglang_0_5_19, sglang_0_5_23  # noqa: E402
 from transfer.errors import InvalidKey, PageSizeMismatch  # noqa: E402
 
 KEYS = ["ab" * 32, "cd" * 32, "ef" * 32]
@@ -289,7 +289,8 @@ def hicache_storage_config(monkeypatch):
 def test_storage_config_is_the_one_sglangs_controller_generates(hicache_storage_config, mla, extra):
     given = dict(extra)
     ours = storage_config(tp_rank=1, tp_size=2, pp_rank=2, pp_size=3, mla=mla, model="org/Model-7B", extra=extra)
-    sglang = sglang_0_5_19.storage_config_from_controller(
+    from_controller = (sglang_0_5_23 if sglang_version() == "0.5.23" else sglang_0_5_19).storage_config_from_controller
+    sglang = from_controller(
         tp_rank=1, tp_size=2, pp_rank=2, pp_size=3, attn_cp_group_rank_size=(0, 1), is_mla=mla,
         layout="page_first", model_name="org/Model-7B", extra_config=extra)
     assert isinstance(ours, hicache_storage_config)

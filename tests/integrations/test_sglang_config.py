@@ -323,8 +323,9 @@ def test_mooncakes_layer_first_resolves_to_page_first_and_is_read_as_such(store_
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
 def test_the_resolution_is_sglangs_own(backend):
-    """Where sglang imports: SGLang 0.5.19's own resolvers (``hicache_hook``) give, for every pair,
-    the pair ``resolve_layout_io`` gives."""
+    """Where sglang imports: the installed SGLang's own resolvers (``hicache_hook``, 0.5.19 or
+    0.5.23; 0.5.23 reads ``dcp_size``, 1: no decode context parallelism) give, for every pair, the
+    pair ``resolve_layout_io`` gives."""
     from types import SimpleNamespace
 
     from tests.integrations.sglang_kit import require_sglang
@@ -339,7 +340,7 @@ def test_the_resolution_is_sglangs_own(backend):
     for layout in LAYOUTS:
         for io in IOS:
             args = SimpleNamespace(hicache_mem_layout=layout, hicache_io_backend=io,
-                                   hicache_storage_backend=backend)
+                                   hicache_storage_backend=backend, dcp_size=1)
             resolve_layout_io_compatibility(args)
             resolve_storage_layout_compatibility(args)
             view = resolved_view(args)
@@ -419,3 +420,85 @@ def test_an_empty_extra_config_is_none_and_a_dict_is_taken_as_given():
 def test_the_staging_budget_is_read_in_mib(env, want):
     """The copy stream's staging buffer budget (docs/integration.md, "What it reads")."""
     assert read_config(runtime_context(page_size=4), env).staging_bytes == want
+
+
+# --- what differs on SGLang 0.5.23 (issue 36) -----------------------------------------------------
+
+
+def _v23(**kw):
+    ctx = runtime_context(**kw)
+    ctx.sglang_version = "0.5.23"
+    return ctx
+
+
+def test_on_0_5_23_the_file_directory_also_comes_from_the_extra_configs_file_storage_path(tmp_path):
+    """SGLang 0.5.23's HiCacheFile: the environment variable, then ``file_storage_path``, then
+    ``/tmp/hicache``; 0.5.19's reads no such key (refused there, as any key it does not read)."""
+    extra = f'{{"file_storage_path": "{tmp_path / "p"}"}}'
+    assert read_config(_v23(page_size=4, extra_config=extra), {}).storage_dir == str(tmp_path / "p")
+    env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(tmp_path / "env")}
+    assert read_config(_v23(page_size=4, extra_config=extra), env).storage_dir == str(tmp_path / "env")
+    assert read_config(_v23(page_size=4), {}).storage_dir == "/tmp/hicache"
+    with pytest.raises(SGLangConfigError, match=r"keys \['file_storage_path'\] are not supported for the file"):
+        read_config(runtime_context(page_size=4, extra_config=extra), {})
+    with pytest.raises(SGLangConfigError, match="file_storage_path 7 must be a str"):
+        read_config(_v23(page_size=4, extra_config='{"file_storage_path": 7}'), {})
+
+
+@pytest.mark.parametrize("backend", ["npu_memcache", "tensorcast", "seaweedfs"])
+def test_the_backends_0_5_23_added_are_refused_in_one_line_and_are_not_0_5_19_choices(backend):
+    with pytest.raises(SGLangConfigError) as err:
+        read_config(_v23(page_size=4, backend=backend), {})
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith(f"--hicache-storage-backend {backend} cannot be used by kv-lifecycle's decode "
+                                     "offload: a backend SGLang 0.5.23 added")
+    with pytest.raises(SGLangConfigError, match=rf"{backend!r} is not one of SGLang 0.5.19's"):
+        read_config(runtime_context(page_size=4, backend=backend), {})
+
+
+def test_the_release_in_force_is_recorded_in_the_configuration():
+    assert read_config(runtime_context(page_size=4), {}).sglang_release == "0.5.19"
+    assert read_config(_v23(page_size=4), {}).sglang_release == "0.5.23"
+
+
+class SWAKVPool:  # SGLang's hybrid sliding-window pool (0.5.19 and 0.5.23), not an MHA pool
+    size, page_size = 512, 4
+
+
+class UnifiedSWAKVPool(SWAKVPool):  # 0.5.23's, offloaded by its own manager as two host pools
+    pass
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.23"])
+@pytest.mark.parametrize("cls", [SWAKVPool, UnifiedSWAKVPool])
+def test_a_hybrid_sliding_window_pool_is_refused_at_construction_in_one_line(store_dir, version, cls):
+    node = Node(doubles_kit())
+    pool = cls()
+    node.alloc.get_kvcache = lambda: pool
+    ctx = runtime_context(page_size=4)
+    ctx.sglang_version = version
+    threads = threading.active_count()
+    with pytest.raises(SGLangConfigError) as err:
+        construct(node, ctx)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"hybrid sliding-window KV pool {cls.__name__} is not supported")
+    assert "unset KV_LIFECYCLE_SGLANG" in text
+    assert not os.path.exists(store_dir) and threading.active_count() == threads
+
+
+def test_sglangs_own_hybrid_sliding_window_pools_are_refused_by_their_classes():
+    """Where sglang imports: its real SWA pool classes (0.5.23's ``UnifiedSWAKVPool`` among them)."""
+    from lifecycle.integrations.sglang.device_pool import check_pool_kind
+    from tests.integrations.sglang_kit import require_sglang, sglang_version
+
+    require_sglang()
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool as Real
+
+    classes = [Real]
+    if sglang_version() == "0.5.23":
+        from sglang.srt.mem_cache.unified_memory_pool import UnifiedSWAKVPool as RealUnified
+
+        classes.append(RealUnified)
+    for real in classes:
+        with pytest.raises(SGLangConfigError, match=f"hybrid sliding-window KV pool {real.__name__} is not supported"):
+            check_pool_kind(object.__new__(real))

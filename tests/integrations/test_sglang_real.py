@@ -1,10 +1,12 @@
-"""Issue 20, point 5: SGLang 0.5.19's own classes end to end, on CPU (run by ``.ci/sglang-env``;
-skipped without sglang, failed under ``KV_LIFECYCLE_REQUIRE_SGLANG=1``).
+"""Issue 20, point 5: SGLang's own classes end to end, on CPU, in whichever tested release is
+installed (0.5.19 or 0.5.23; run by ``.ci/sglang-env``; skipped without sglang, failed under
+``KV_LIFECYCLE_REQUIRE_SGLANG=1``).
 
 SGLang's ``ServerArgs`` (PD decode + decode offload, resolved by SGLang itself) published as the
 scheduler's runtime context, its gloo model-parallel groups (world of one), its ``ReqToTokenPool``,
-``MHATokenToKVPool`` / ``MLATokenToKVPool``, ``PagedTokenToKVPoolAllocator``, ``ChunkCache`` and
-``RadixCache``, real ``Req`` objects, and our manager switched in by ``KV_LIFECYCLE_SGLANG=1`` +
+``MHATokenToKVPool`` / ``MLATokenToKVPool``, ``PagedTokenToKVPoolAllocator``, its decode tree
+caches (0.5.19: ``ChunkCache`` and ``RadixCache``; 0.5.23: ``UnifiedRadixCache`` disabled and
+enabled), real ``Req`` objects, and our manager switched in by ``KV_LIFECYCLE_SGLANG=1`` +
 SGLang's own ``load_plugins()`` and constructed by the name ``sglang.srt.managers.scheduler``
 holds. Checked: slots, rows, ``protected_size_``, ``ongoing_offload``, and SGLang's ``HiCacheFile``
 reading every page bit-exact.
@@ -18,7 +20,7 @@ from array import array
 import pytest
 import torch
 
-from tests.integrations.sglang_kit import Node, require_sglang, sglang_kit
+from tests.integrations.sglang_kit import Node, require_sglang, sglang_kit, sglang_version
 from tests.integrations.test_sglang import expected_pages
 
 MODEL = "org/Tiny-Llama"
@@ -54,7 +56,12 @@ def sglang_scheduler(tmp_path, monkeypatch):
                       served_model_name=MODEL, disaggregation_mode="decode",
                       disaggregation_decode_enable_offload_kvcache=True, hicache_storage_backend="file",
                       hicache_io_backend="kernel", hicache_mem_layout="page_first")
-    runtime_context.publish(args, role="scheduler")
+    import inspect
+
+    if "ranks" in inspect.signature(runtime_context.publish).parameters:  # 0.5.23: this process's place
+        runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
+    else:
+        runtime_context.publish(args, role="scheduler")
     ps.init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
     ps.initialize_model_parallel(backend="gloo")
@@ -78,11 +85,11 @@ def sglang_scheduler(tmp_path, monkeypatch):
 
 
 def real_kit(tree: str):
-    """SGLang's pools and allocator (``sglang_kit``), its Req and its tree caches."""
+    """SGLang's pools and allocator (``sglang_kit``), its Req and its tree caches: ``chunk`` is the
+    cache a decode server without radix caching builds (0.5.19 ``ChunkCache``, 0.5.23 a disabled
+    ``UnifiedRadixCache``), ``radix`` the radix cache (0.5.19 ``RadixCache``, 0.5.23 ``UnifiedRadixCache``)."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.chunk_cache import ChunkCache
-    from sglang.srt.mem_cache.radix_cache import RadixCache
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     kit = sglang_kit()
@@ -93,9 +100,18 @@ def real_kit(tree: str):
         return req
 
     def make_tree(pool, alloc):
-        cls = ChunkCache if tree == "chunk" else RadixCache
-        tree_cache = cls(CacheInitParams(disable=tree == "chunk", req_to_token_pool=pool,
-                                         token_to_kv_pool_allocator=alloc, page_size=alloc.page_size))
+        params = dict(disable=tree == "chunk", req_to_token_pool=pool, token_to_kv_pool_allocator=alloc,
+                      page_size=alloc.page_size)
+        if sglang_version() == "0.5.23":
+            from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+            from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+            tree_cache = UnifiedRadixCache(CacheInitParams(**params, tree_components=(ComponentType.FULL,)))
+        else:
+            from sglang.srt.mem_cache.chunk_cache import ChunkCache
+            from sglang.srt.mem_cache.radix_cache import RadixCache
+
+            tree_cache = (ChunkCache if tree == "chunk" else RadixCache)(CacheInitParams(**params))
         tree_cache.freed_rows = []
         return tree_cache
 
@@ -130,9 +146,12 @@ def sglang_reads(store: str, mla: bool, node: Node, mgr, reqs) -> int:
 @pytest.mark.parametrize("tree", ["chunk", "radix"])
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_a_mixed_run_inside_sglang_gives_every_slot_row_and_protected_token_back(sglang_scheduler, tree, mla):
-    """Decode, a retraction (SGLang's release_kv_cache through our hook) and its resume with a new
-    row, an abort, speculative over-allocation; with the radix cache a locked prefix keeps
-    ``protected_size_`` non-zero until its request is released."""
+    """Decode, a retraction (SGLang's release_kv_cache through our hook; on 0.5.23 after its
+    scheduler's ``drain_before_retraction()``) and its resume with a new row, an abort, speculative
+    over-allocation; with the radix cache a locked prefix keeps the tree's protected size non-zero
+    until its request is released (0.5.19: ``protected_size_`` and ``prefix_indices``; 0.5.23: the
+    prefix inserted into the tree, locked as ``req.lock`` with ``kv.cache_protected_len`` — released
+    by unlocking, its slots the tree's)."""
     import sglang.srt.mem_cache.common as common
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -147,16 +166,37 @@ def test_a_mixed_run_inside_sglang_gives_every_slot_row_and_protected_token_back
     a = node.admit("a", list(range(10, 23)), 11)
     b = node.admit("b", list(range(50, 58)), 14)
     c = node.admit("c", [7] * 5, 9)
-    if tree == "radix":  # a's first page locked in the radix tree, as a matched prefix is
+    v23 = sglang_version() == "0.5.23"
+    tree_owned = 0  # slots the tree holds at the end (0.5.23: a's inserted prefix page)
+    if tree == "radix" and v23:  # a's first page inserted and locked, as the prealloc match locks it
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        first = node.pool.req_to_token[a.kv.req_pool_idx, :4].to(torch.int64)
+        node.tree.insert(InsertParams(key=RadixKey(array("q", a.origin_input_ids[:4])), value=first))
+        match = node.tree.match_prefix(MatchPrefixParams(key=RadixKey(array("q", a.origin_input_ids[:4]))))
+        assert match.device_prefix_len == 4
+        a.lock, a.kv.cache_protected_len = node.tree.lock(match.last_device_node), 4
+        protected = tree_owned = 4
+    elif tree == "radix":  # a's first page locked in the radix tree, as a matched prefix is
         node.tree.protected_size_ += 4
         a.prefix_indices = torch.arange(4, dtype=torch.int64)
         protected = 4
+
+    def protected_size():
+        return node.tree.protected_size() if v23 else node.tree.protected_size_
+
     running = [a, b, c]
     for _ in range(5):
         running = node.decode_step(mgr, running)
-    assert node.tree.protected_size_ == protected
+    assert protected_size() == protected
     # retract b (retract_decode -> release_req -> release_kv_cache, through our hook), resume it
-    common.release_kv_cache(b, node.tree, is_insert=False)
+    if v23:
+        mgr.drain_before_retraction()  # what 0.5.23's scheduler calls before retract_decode
+        assert not mgr.has_inflight_device_transfer()
+        common.release_kv_cache(b, node.tree, checkpoint=False)
+    else:
+        common.release_kv_cache(b, node.tree, is_insert=False)
     b.reset_for_retract()
     running.remove(b)
     assert b.kv.req_pool_idx is None
@@ -180,8 +220,10 @@ def test_a_mixed_run_inside_sglang_gives_every_slot_row_and_protected_token_back
     stats = mgr.stats()
     assert (stats.released, stats.leaked, stats.tracked) == (4, 0, 0)  # b twice: retracted, finished
     assert len(mgr.ongoing_offload) == 0
-    assert node.alloc.available_size() == free_pages and node.pool.available_size() == free_rows
-    assert node.tree.protected_size_ == 0
+    assert node.alloc.available_size() + tree_owned == free_pages and node.pool.available_size() == free_rows
+    assert protected_size() == 0
+    if tree_owned:  # unlocked: the tree's page is evictable, nothing else is held
+        assert node.tree.evictable_size() == tree_owned
     mgr.release_host_resources()
     assert sglang_reads(store, mla, node, mgr, [a, b]) > 0
 

@@ -118,3 +118,56 @@ def test_inside_another_requests_sglang_release_a_request_is_checked_and_freed_a
             sink.check(_plan(req, row=req.kv.req_pool_idx + 1))
         assert sink.free(_plan(req)) is True
     assert tree.freed == [(req.kv, [(0, 8)])] and req.kv.req_pool_idx is None
+
+
+# --- SGLang 0.5.23's release (issue 36): [cache_protected_len, kv_allocated_len), then the tree lock ---
+
+from lifecycle.integrations.sglang.versions import Release  # noqa: E402
+
+V23 = Release("0.5.23", "0.5.23", "test")
+
+
+class LockTree(Tree):
+    """0.5.23's tree cache seam: ``free_kv_row`` and ``unlock(lock)`` recorded (no ``protected_size_``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.protected_size_
+        self.unlocked = []
+
+    def unlock(self, lock):
+        self.unlocked.append(lock)
+
+
+def _setup_v23(protected_len: int = 4, allocated: int = 12):
+    pool = d.ReqToTokenPool(4, 16, "cpu", False)
+    req = d.Req("r1", list(range(8)))
+    assert pool.alloc([req]) is not None
+    req.kv.kv_allocated_len, req.kv.cache_protected_len, req.lock = allocated, protected_len, "the-lock"
+    tree = LockTree()
+    return SGLangReleaseSink(tree, pool, release=V23), tree, pool, req
+
+
+def test_free_on_0_5_23_frees_past_the_protected_prefix_then_unlocks_as_sglang_0_5_23_does():
+    sink, tree, pool, req = _setup_v23(protected_len=4, allocated=12)
+    kv = req.kv
+    plan = _plan(req, ranges=[(0, 8), (8, 12)])                   # the core's ranges: not what 0.5.23 frees
+    sink.check(plan)
+    assert sink.free(plan) is True
+    assert tree.freed == [(kv, [(4, 12)])]                        # the prefix stays the tree's
+    assert tree.unlocked == ["the-lock"] and req.lock is None
+    assert req.kv.req_pool_idx is None and pool.available_size() == 4 and kv.kv_allocated_len == 0
+
+
+@pytest.mark.parametrize("protected_len,allocated", [(-1, 8), (9, 8), (None, 8), (2.0, 8)])
+def test_check_on_0_5_23_refuses_a_protected_length_outside_the_row_and_changes_nothing(protected_len, allocated):
+    sink, tree, pool, req = _setup_v23(protected_len=protected_len, allocated=allocated)
+    with pytest.raises(ReleaseRefused, match=r"request 'r1': kv.cache_protected_len .* is not an int in"):
+        sink.check(_plan(req, ranges=[(0, 8)]))
+    assert tree.freed == [] and tree.unlocked == [] and req.lock == "the-lock" and pool.available_size() == 3
+
+
+def test_on_0_5_23_a_tree_cache_without_unlock_is_refused_and_protected_size_is_not_needed():
+    with pytest.raises(SGLangConfigError, match=r"has no unlock\(lock\) \(SGLang 0.5.23\)"):
+        SGLangReleaseSink(Tree(), d.ReqToTokenPool(4, 16, "cpu", False), release=V23)
+    SGLangReleaseSink(LockTree(), d.ReqToTokenPool(4, 16, "cpu", False), release=V23)

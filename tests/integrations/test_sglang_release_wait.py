@@ -207,3 +207,45 @@ def test_with_tensor_parallelism_sglangs_release_waits_past_the_tp1_bound_for_th
     assert mgr.offloader.stats().copies_discarded == 0
     node.drain(mgr)
     mgr.release_host_resources()
+
+
+# --- SGLang 0.5.23's scheduler: drain_before_retraction() before it retracts (issue 36) ---------
+
+
+def test_drain_before_retraction_settles_every_copy_reading_device_kv(store_dir):  # noqa: F811
+    node = Node(doubles_kit())
+    mgr = build(node)
+    gate = _hanging(mgr)
+    req = node.admit("r", list(range(4)), 30)
+    node.decode_tokens(req, 4)
+    assert mgr.offload_kv_cache(req)
+    assert mgr.has_inflight_device_transfer() and len(mgr.ongoing_offload) == 1
+    threading.Timer(0.2, gate.set).start()  # the copy lands while the drain waits
+    mgr.drain_before_retraction()
+    assert not mgr.has_inflight_device_transfer() and mgr.stats().inflight_writes == 0
+    assert mgr.stats().chunks_landed == 1
+    node.drain(mgr)
+    mgr.release_host_resources()
+
+
+def test_drain_before_retraction_with_tp_1_stops_at_the_bound_and_never_raises(store_dir):  # noqa: F811
+    """Where SGLang 0.5.23's own manager raises RuntimeError, the drop-in waits at most
+    ``SGLANG_RELEASE_WAIT_S`` (TP=1), warns once, and leaves the request to ``release_kv_cache``'s
+    hook (which discards what the stuck copy reads, as tested above)."""
+    node = Node(doubles_kit())
+    mgr = build(node)
+    mgr.SGLANG_RELEASE_WAIT_S = 0.05
+    gate = _hanging(mgr)
+    req = node.admit("stuck", list(range(4)), 30)
+    node.decode_tokens(req, 4)
+    assert mgr.offload_kv_cache(req)
+    with structlog.testing.capture_logs() as logs:
+        mgr.drain_before_retraction()
+    assert mgr.has_inflight_device_transfer()
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["sglang.drain_before_retraction_bound"]
+    _release_hook(release_kv_cache)(req, node.tree, is_insert=False)  # the retraction: SGLang frees
+    assert req.kv.req_pool_idx is None and mgr.stats().copies_expired == 1
+    gate.set()
+    node.drain(mgr)
+    mgr.release_host_resources()
+    mgr.drain_before_retraction()  # after shutdown: nothing to do

@@ -1,4 +1,4 @@
-"""kv-lifecycle inside SGLang 0.5.19: a drop-in ``DecodeKVCacheOffloadManager``.
+"""kv-lifecycle inside SGLang (0.5.19, 0.5.23): a drop-in ``DecodeKVCacheOffloadManager``.
 
 ``install()`` (or ``KV_LIFECYCLE_SGLANG=1`` in the server's environment) makes SGLang's decode
 scheduler construct ours; ``uninstall()`` switches back. See docs/integration.md, "Running inside

@@ -1,4 +1,4 @@
-"""Every storage backend SGLang 0.5.19 can configure, as the drop-in wires it.
+"""Every storage backend SGLang 0.5.19 and 0.5.23 can configure, as the drop-in wires it.
 
 SGLang's ``--hicache-storage-backend`` choices, and what this integration does with each:
 
@@ -16,7 +16,8 @@ SGLang's ``--hicache-storage-backend`` choices, and what this integration does w
 * refused, one line naming the backend and the reason (``refusal``): ``sim`` (stores no bytes),
   ``shm`` (its page calls store nothing), and the backends SGLang drives only zero-copy through
   its own host pool (``hf3fs``, ``nixl``, ``simm``, ``mori``, ``dynamic`` with ``interface_v1``):
-  their tensor calls do nothing, raise or assert.
+  their tensor calls do nothing, raise or assert; and the backends SGLang 0.5.23 added
+  (``npu_memcache``, ``tensorcast``, ``seaweedfs``), which the drop-in was not checked against.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ log = get_logger("lifecycle.integrations.sglang.backends")
 STRICT_ENV = "KV_LIFECYCLE_REQUIRE_CHECKSUM"
 MOONCAKE_CONFIG_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 
-# SGLang 0.5.19's --hicache-storage-backend choices
+# SGLang 0.5.19's --hicache-storage-backend choices, and 0.5.23's (three more)
 SGLANG_BACKENDS = ("file", "sim", "mooncake", "hf3fs", "nixl", "aibrix", "dynamic", "eic", "simm", "mori", "shm")
+ADDED_IN_0_5_23 = ("npu_memcache", "tensorcast", "seaweedfs")
+BACKENDS_BY_RELEASE = {"0.5.19": SGLANG_BACKENDS, "0.5.23": (*SGLANG_BACKENDS, *ADDED_IN_0_5_23)}
 OURS = {"file": "our FileStorage (HiCacheFile's names and bytes)",
         "mooncake": "our Mooncake tier (SGLang's object names and bytes, sealed)"}
 ADAPTED = ("aibrix", "eic", "dynamic")
@@ -64,13 +67,17 @@ def strict(environ: Mapping[str, str]) -> bool:
     return raw == "1"
 
 
-def refusal(backend, extra: Mapping) -> str | None:
-    """Why ``backend`` cannot be used by the drop-in (one line naming it), or None."""
+def refusal(backend, extra: Mapping, release: str = "0.5.19") -> str | None:
+    """Why ``backend`` cannot be used by the drop-in on SGLang ``release`` (one line naming it), or None."""
     if backend is None:
         return ("--hicache-storage-backend is not set: decode offload needs a storage backend "
                 f"(SGLang's own manager fails too); supported: {', '.join(supported())}")
-    if backend not in SGLANG_BACKENDS:
-        return f"--hicache-storage-backend {backend!r} is not one of SGLang 0.5.19's: {', '.join(SGLANG_BACKENDS)}"
+    choices = BACKENDS_BY_RELEASE.get(release, SGLANG_BACKENDS)
+    if backend not in choices:
+        return f"--hicache-storage-backend {backend!r} is not one of SGLang {release}'s: {', '.join(choices)}"
+    if backend in ADDED_IN_0_5_23:
+        return (f"--hicache-storage-backend {backend} cannot be used by kv-lifecycle's decode offload: a backend "
+                f"SGLang 0.5.23 added, which the drop-in was not checked against; supported: {', '.join(supported())}")
     if backend == "dynamic" and bool(extra.get("interface_v1", 0)):
         return ("--hicache-storage-backend dynamic with interface_v1: " + _ZERO_COPY.format(how="are not used")
                 + "; set interface_v1 to 0 if the class implements batch_set/batch_get over tensors")

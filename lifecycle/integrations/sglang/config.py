@@ -1,4 +1,4 @@
-"""SGLang's decode-offload configuration, read where SGLang 0.5.19 reads it, checked in one place.
+"""SGLang's decode-offload configuration, read where SGLang (0.5.19, 0.5.23) reads it, checked in one place.
 
 Sources (as ``DecodeKVCacheOffloadManager.__init__`` and the ``HiCacheFile`` backend read them):
 
@@ -10,6 +10,8 @@ Sources (as ``DecodeKVCacheOffloadManager.__init__`` and the ``HiCacheFile`` bac
 * environment: ``SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE``, ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``
   (default ``/tmp/hicache``), ``SGLANG_HICACHE_FILE_BACKEND_MAX_SIZE``,
   ``..._MIN_FREE_SPACE``, ``..._EVICTION_RATIO`` (extra-config keys take precedence, as in SGLang)
+* SGLang 0.5.23 only: the file backend's directory from the extra-config key ``file_storage_path``
+  when ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` is unset (as its ``HiCacheFile`` reads it)
 
 Anything this integration cannot honour raises ``SGLangConfigError`` naming the setting.
 """
@@ -23,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
-from lifecycle.integrations.sglang import backends
+from lifecycle.integrations.sglang import backends, versions
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 
 STRIDE_ENV = "SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE"
@@ -69,6 +71,7 @@ SUPPORTED_IO_BACKENDS = ("kernel", "direct")
 # extra-config keys the file backend reads; the metadata-cache ones only tune existence checks,
 # which our store answers from its own index anyway
 FILE_EXTRA_KEYS = ("max_size", "min_free_space", "eviction_ratio", "enable_metadata_cache", "metadata_ttl")
+FILE_PATH_KEY = "file_storage_path"  # SGLang 0.5.23's HiCacheFile: the directory, after the env variable
 _DEFAULT_EVICTION_RATIO = 0.9
 
 
@@ -92,29 +95,36 @@ class OffloadConfig:
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
     staging_bytes: int = DEFAULT_STAGING_MIB << 20  # KV_LIFECYCLE_SGLANG_STAGING_MIB
     require_checksum: bool = False  # KV_LIFECYCLE_REQUIRE_CHECKSUM=1: unsealed pages are misses
+    sglang_release: str = "0.5.19"  # the tested release whose differences apply (versions.Release.behaves_as)
     environ: dict = field(default_factory=dict, repr=False)  # what the backends read (MOONCAKE_*, ...)
 
 
-def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadConfig:
-    """Read and check the configuration from ``runtime`` (the four getters) and ``environ``.
+def read_config(runtime, environ: Mapping[str, str] | None = None, *,
+                release: versions.Release | None = None) -> OffloadConfig:
+    """Read and check the configuration from ``runtime`` (the four getters) and ``environ``, as
+    SGLang ``release`` reads it (default: ``versions.release_of(runtime, environ)``).
 
     Raises:
-        SGLangConfigError: a missing, malformed or unsupported setting (the first one found).
+        SGLangConfigError: an untested SGLang release (``versions``); a missing, malformed or
+            unsupported setting (the first one found).
     """
     env = os.environ if environ is None else environ
+    release = release or versions.release_of(runtime, env)
+    sglang = release.behaves_as
     sched, mem, serving, parallel = (
         runtime.get_schedule(), runtime.get_memory(), runtime.get_serving(), runtime.get_parallel())
     page_size = _setting(sched, "page_size", "get_schedule()")
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
         raise SGLangConfigError(f"get_schedule().page_size must be a positive int, got {page_size!r}")
     backend = _setting(mem, "hicache_storage_backend", "get_memory()")
-    extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None), backend)
-    refused = backends.refusal(backend, extra)
+    extra = _extra_config(getattr(mem, "hicache_storage_backend_extra_config", None), backend,
+                          release.file_storage_path_key)
+    refused = backends.refusal(backend, extra, sglang)
     if refused:
         raise SGLangConfigError(refused)
     layout, io_backend = check_layout_io(
         _setting(mem, "hicache_mem_layout", "get_memory()"), _setting(mem, "hicache_io_backend", "get_memory()"),
-        backend)
+        backend, sglang)
     if getattr(parallel, "dcp_enabled", False):
         raise SGLangConfigError("decode context parallel (--dcp-size > 1) is not supported")
     if getattr(mem, "enable_unified_memory", False):
@@ -130,7 +140,7 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         page_size=page_size,
         offload_stride=_stride(env.get(STRIDE_ENV), page_size),
         storage_backend=backend,
-        storage_dir=env.get(FILE_DIR_ENV) or FILE_DEFAULT_DIR,
+        storage_dir=_file_dir(env, extra, release.file_storage_path_key),
         capacity_bytes=_file_capacity(extra, env) if backend == "file" else None,
         io_backend=io_backend,
         mem_layout=layout,
@@ -143,8 +153,22 @@ def read_config(runtime, environ: Mapping[str, str] | None = None) -> OffloadCon
         shutdown_timeout_s=_shutdown_timeout(env.get(SHUTDOWN_TIMEOUT_ENV)),
         staging_bytes=_staging_bytes(env.get(STAGING_ENV)),
         require_checksum=backends.strict(env),
+        sglang_release=sglang,
         environ=dict(env),
     )
+
+
+def _file_dir(env: Mapping[str, str], extra: dict, path_key: bool) -> str:
+    """HiCacheFile's directory: the environment variable, then (0.5.23) the extra-config
+    ``file_storage_path``, then ``/tmp/hicache``."""
+    if env.get(FILE_DIR_ENV):
+        return env[FILE_DIR_ENV]
+    if path_key and extra.get(FILE_PATH_KEY):
+        path = extra[FILE_PATH_KEY]
+        if not isinstance(path, str):
+            raise SGLangConfigError(f"file backend {FILE_PATH_KEY} {path!r} must be a str")
+        return path
+    return FILE_DEFAULT_DIR
 
 
 def _shutdown_timeout(raw: str | None) -> float:
@@ -183,16 +207,17 @@ def resolve_layout_io(layout: str, io_backend: str, backend: str | None) -> tupl
     return layout, io_backend
 
 
-def check_layout_io(layout, io_backend, backend: str | None) -> tuple[str, str]:
+def check_layout_io(layout, io_backend, backend: str | None, release: str = "0.5.19") -> tuple[str, str]:
     """SGLang's resolved (layout, io backend) pair if this integration writes that layout's page
     bytes, else one ``SGLangConfigError`` naming the pair passed, SGLang's resolved pair, the byte
-    order it implies and what to pass instead."""
+    order it implies and what to pass instead. (0.5.19 and 0.5.23 have the same choices and the
+    same resolution for decode offload.)"""
     if layout not in SGLANG_LAYOUTS:
         raise SGLangConfigError(
-            f"--hicache-mem-layout {layout!r} is not one of SGLang 0.5.19's: {', '.join(SGLANG_LAYOUTS)}")
+            f"--hicache-mem-layout {layout!r} is not one of SGLang {release}'s: {', '.join(SGLANG_LAYOUTS)}")
     if io_backend not in SGLANG_IO_BACKENDS:
         raise SGLangConfigError(
-            f"--hicache-io-backend {io_backend!r} is not one of SGLang 0.5.19's: {', '.join(SGLANG_IO_BACKENDS)}")
+            f"--hicache-io-backend {io_backend!r} is not one of SGLang {release}'s: {', '.join(SGLANG_IO_BACKENDS)}")
     resolved = resolve_layout_io(layout, io_backend, backend)
     layouts = SUPPORTED_LAYOUTS if backend is None or backend in OWN_TIER_BACKENDS else ADAPTER_LAYOUTS
     if resolved[0] in layouts and resolved[1] in SUPPORTED_IO_BACKENDS:
@@ -211,7 +236,7 @@ def check_layout_io(layout, io_backend, backend: str | None) -> tuple[str, str]:
 
 def _setting(bag, name: str, where: str):
     if not hasattr(bag, name):
-        raise SGLangConfigError(f"{where} has no {name}: not SGLang 0.5.19's runtime context?")
+        raise SGLangConfigError(f"{where} has no {name}: not SGLang's runtime context?")
     return getattr(bag, name)
 
 
@@ -228,10 +253,10 @@ def _stride(raw: str | None, page_size: int) -> int:
     return max(page_size, value // page_size * page_size)
 
 
-def _extra_config(raw, backend) -> dict:
+def _extra_config(raw, backend, path_key: bool = False) -> dict:
     """The extra config as SGLang's HiCache reads it: a JSON object, or ``@FILE`` (.json, .toml,
-    .yaml / .yml). The file backend's keys are checked here, Mooncake's in ``backends``; other
-    backends read their own."""
+    .yaml / .yml). The file backend's keys are checked here (``path_key``: 0.5.23's
+    ``file_storage_path`` too), Mooncake's in ``backends``; other backends read their own."""
     if raw is None or raw == "":
         return {}
     if isinstance(raw, dict):
@@ -247,11 +272,12 @@ def _extra_config(raw, backend) -> dict:
         raise SGLangConfigError(f"--hicache-storage-backend-extra-config must be a JSON object, got {raw!r}")
     if backend != "file":
         return extra
-    unknown = sorted(set(extra) - set(FILE_EXTRA_KEYS))
+    keys = (*FILE_EXTRA_KEYS, FILE_PATH_KEY) if path_key else FILE_EXTRA_KEYS
+    unknown = sorted(set(extra) - set(keys))
     if unknown:
         raise SGLangConfigError(
             f"--hicache-storage-backend-extra-config keys {unknown} are not supported for the file "
-            f"backend; supported: {', '.join(FILE_EXTRA_KEYS)}")
+            f"backend; supported: {', '.join(keys)}")
     return extra
 
 

@@ -1,6 +1,6 @@
 """SGLang's device KV cache, read in place: per-layer buffers seen as one ``transfer`` device pool.
 
-SGLang 0.5.19 keeps one tensor per layer: ``MHATokenToKVPool.k_buffer[l]`` / ``v_buffer[l]`` of
+SGLang (0.5.19, 0.5.23) keeps one tensor per layer: ``MHATokenToKVPool.k_buffer[l]`` / ``v_buffer[l]`` of
 shape ``[size + page_size, head_num, head_dim]`` (NHD layout), and
 ``MLATokenToKVPool.kv_buffer[l]`` of shape ``[size + page_size, 1, kv_lora_rank +
 qk_rope_head_dim]``, in the pool's ``store_dtype`` (uint8 for fp8). ``LayeredKVPool`` holds those
@@ -32,6 +32,26 @@ VIRTUAL_ID_ALLOCATORS = frozenset({
 })
 # what an allocator whose ids are virtual has (SGLang's base allocator has none of these)
 _VIRTUAL_ID_MARKS = ("virtual_to_physical", "translate_kv_loc", "translate_kv_loc_for_kernel")
+# hybrid sliding-window pools: full-attention and SWA layers in two sub-pools, SWA ids translated
+# from full ones (SGLang 0.5.23's own manager offloads UnifiedSWAKVPool as two host pools,
+# build_hybrid_swa_stack; 0.5.19's refuses every SWA pool)
+HYBRID_SWA = frozenset({"SWAKVPool", "UnifiedSWAKVPool", "UnifiedDraftSWAKVPool"})
+
+
+def check_pool_kind(kv_cache) -> None:
+    """Refuse a hybrid sliding-window KV pool (``SWAKVPool`` and its subclasses, SGLang 0.5.23's
+    ``UnifiedSWAKVPool`` among them) in one line: the drop-in offloads one full-attention pool.
+
+    Raises:
+        SGLangConfigError: one line naming the class and what to run instead.
+    """
+    names = _class_names(kv_cache)
+    if any(n in HYBRID_SWA for n in names):
+        cls = type(kv_cache).__name__
+        raise SGLangConfigError(
+            f"hybrid sliding-window KV pool {cls} is not supported by kv-lifecycle's decode offload "
+            "(it offloads one full-attention pool; SGLang 0.5.23's own manager offloads the full and "
+            "SWA layers as two host pools): for this model, run SGLang's own manager (unset KV_LIFECYCLE_SGLANG)")
 
 
 class LayeredKVPool:
@@ -124,11 +144,12 @@ def from_sglang(kv_cache, allocator=None, req_to_token_pool=None) -> LayeredKVPo
         allocator, req_to_token_pool: SGLang's, when given: checked to hold physical slot ids
             (``check_physical_slot_ids``) with the KV cache.
     Raises:
-        SGLangConfigError: not an ``MHATokenToKVPool`` / ``MLATokenToKVPool`` (as SGLang's own
-            manager refuses), or one whose buffers are not plain per-token rows: quantized with
+        SGLangConfigError: a hybrid sliding-window pool (``check_pool_kind``); not an
+            ``MHATokenToKVPool`` / ``MLATokenToKVPool`` (as SGLang's own manager refuses), or one whose buffers are not plain per-token rows: quantized with
             scale buffers, HND / vectorized layout, K and V of different head dims, layer-sharded;
             or one whose ``req_to_token`` holds virtual slot ids (the unified memory pool).
     """
+    check_pool_kind(kv_cache)
     check_physical_slot_ids(kv_cache, allocator, req_to_token_pool)
     names = _class_names(kv_cache)
     cls = type(kv_cache).__name__

@@ -19,6 +19,9 @@ environment. ``install()`` also sets ``KV_LIFECYCLE_SGLANG=1``, and the ``sglang
 entry point ``kv_lifecycle`` (``plugin``) — which SGLang's ``load_plugins()`` runs at the start of
 every scheduler process — installs there when that variable is ``1``. So either ``install()``
 before launching SGLang from Python, or ``KV_LIFECYCLE_SGLANG=1`` in the server's environment.
+
+``install()`` first reads the installed SGLang's release (``versions``): one the drop-in is not
+tested with (0.5.19, 0.5.23) is refused in one line, unless ``KV_LIFECYCLE_SGLANG_UNTESTED_OK=1``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import sys
 import threading
 
+from lifecycle.integrations.sglang import versions
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 
 ENV = "KV_LIFECYCLE_SGLANG"
@@ -94,9 +98,12 @@ def install() -> list[str]:
         The modules whose ``DecodeKVCacheOffloadManager`` now names ours (the defining module,
         and ``sglang.srt.managers.scheduler`` when it is loaded).
     Raises:
-        SGLangConfigError: SGLang's decode offload module or ``release_kv_cache`` cannot be
-            imported (nothing changes, the environment included).
+        SGLangConfigError: the installed SGLang is a release the drop-in is not tested with (one
+            line naming the tested ones and ``KV_LIFECYCLE_SGLANG_UNTESTED_OK=1``, which forces
+            it); SGLang's decode offload module or ``release_kv_cache`` cannot be imported.
+            Nothing changes, the environment included.
     """
+    versions.release_of(None)  # the installed sglang's release, checked before anything changes
     ours = _ours()
     with _lock:
         if not _original:

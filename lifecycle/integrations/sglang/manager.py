@@ -1,10 +1,12 @@
-"""``DecodeKVCacheOffloadManager``: SGLang 0.5.19's decode-offload manager, built on the lifecycle.
+"""``DecodeKVCacheOffloadManager``: SGLang's decode-offload manager (0.5.19, 0.5.23), built on the lifecycle.
 
 Same constructor and the same calls as ``sglang.srt.disaggregation.decode_kvcache_offload_manager.
 DecodeKVCacheOffloadManager``, so SGLang's scheduler constructs and drives it unchanged (see
 ``install``). Underneath: our ``DecodeOffloadManager`` (the checked lifecycle), our transfer stack
 reading SGLang's device buffers in place, our page-first host pool, the file store SGLang's
-``HiCacheFile`` reads, and a release sink that frees through SGLang's tree cache.
+``HiCacheFile`` reads, and a release sink that frees through SGLang's tree cache. One code path
+for both tested releases; where SGLang changed, the difference is keyed on the release
+(``versions``), read at construction (an untested release is refused there).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import time
 import weakref
 
 from lifecycle.integrations.sglang import metrics as sglang_metrics
-from lifecycle.integrations.sglang import runtime
+from lifecycle.integrations.sglang import runtime, versions
 from lifecycle.integrations.sglang.audit_trail import close_audit_trail, open_audit_trail
 from lifecycle.integrations.sglang.config import OffloadConfig, read_config
-from lifecycle.integrations.sglang.device_pool import LayeredKVPool, from_sglang
+from lifecycle.integrations.sglang.device_pool import LayeredKVPool, check_pool_kind, from_sglang
 from lifecycle.integrations.sglang.errors import SGLangConfigError
 from lifecycle.integrations.sglang.layered_copy import make_layered_copy_engine
 from lifecycle.integrations.sglang.release import SGLangReleaseSink
@@ -60,7 +62,7 @@ class OngoingOffload:
 
 
 class DecodeKVCacheOffloadManager:
-    """A drop-in for SGLang 0.5.19's decode KV offload manager.
+    """A drop-in for SGLang 0.5.19's and 0.5.23's decode KV offload manager.
 
     A request's ``extra_key`` (with its LoRA id) and ``cache_salt`` name the namespace its pages
     are stored under, as SGLang 0.5.23 does (``lifecycle.requests.namespace_of``; plain requests
@@ -73,20 +75,25 @@ class DecodeKVCacheOffloadManager:
         tp_group: the TP (or attention-TP) CPU process group; None or a group of one: no agreement.
         tree_cache: SGLang's prefix cache (``free_kv_row``, ``protected_size_``).
     Raises:
-        SGLangConfigError: SGLang's configuration or pools ask for something unsupported (see
-            ``config.read_config`` and ``device_pool.from_sglang``); nothing is left allocated.
+        SGLangConfigError: an SGLang release the drop-in is not tested with (``versions``: one
+            line; ``KV_LIFECYCLE_SGLANG_UNTESTED_OK=1`` forces it); a hybrid sliding-window pool
+            (``device_pool.check_pool_kind``); SGLang's configuration or pools ask for something
+            unsupported (see ``config.read_config`` and ``device_pool.from_sglang``); nothing is
+            left allocated.
     """
 
     def __init__(self, req_to_token_pool, token_to_kv_pool_allocator, tp_group, tree_cache) -> None:
         context = runtime.current()
-        config = read_config(context)
+        release = versions.release_of(context)
         get_kvcache = getattr(token_to_kv_pool_allocator, "get_kvcache", None)
         if not callable(get_kvcache):
             raise SGLangConfigError("token_to_kv_pool_allocator has no get_kvcache()")
         kv_cache = get_kvcache()
+        check_pool_kind(kv_cache)  # hybrid SWA: refused before its configuration is read
+        config = read_config(context, release=release)
         device = from_sglang(kv_cache, token_to_kv_pool_allocator, req_to_token_pool)
         tp_rank, tp_size = _tp_rank_size(tp_group)
-        sink = SGLangReleaseSink(tree_cache, req_to_token_pool)
+        sink = SGLangReleaseSink(tree_cache, req_to_token_pool, release=release)
         plan = plan_storage(config, tp_rank, tp_size, device.mla)
         host = HostPool(device.layers, device.heads, device.head_dim, device.dtype, config.page_size,
                         _host_tokens(config, kv_cache, device), mla=device.mla)
@@ -114,6 +121,7 @@ class DecodeKVCacheOffloadManager:
         self.tree_cache = tree_cache
         self.tp_group, self.tp_rank, self.tp_world_size = tp_group, tp_rank, tp_size
         self.config: OffloadConfig = config
+        self.sglang_release: versions.Release = release
         self.page_size, self.offload_stride = config.page_size, config.offload_stride
         self.device_pool: LayeredKVPool = device
         self.decode_host_mem_pool: HostPool = host
@@ -124,7 +132,8 @@ class DecodeKVCacheOffloadManager:
         self.audit_path = None if audit is None else audit.path
         self.metrics = sglang_metrics.hook(self, context, tp_rank, config.pp_rank)  # --enable-metrics only
         _ACTIVE.add(self)
-        log.info("sglang.decode_offload_enabled", page_size=config.page_size, stride=config.offload_stride,
+        log.info("sglang.decode_offload_enabled", sglang=release.version, behaves_as=release.behaves_as,
+                 page_size=config.page_size, stride=config.offload_stride,
                  backend=config.storage_backend, storage_dir=config.storage_dir, suffix=storage.suffix,
                  mla=device.mla, layers=device.layers, host_pages=host.num_pages, tp_rank=tp_rank, tp_size=tp_size)
 
@@ -147,6 +156,34 @@ class DecodeKVCacheOffloadManager:
         if self._released_by_sglang and req in self._released_by_sglang and not self._readmit(req):
             return
         self.manager.finalize_release_on_finish(req)
+
+    def has_inflight_device_transfer(self) -> bool:
+        """SGLang 0.5.23's unified-memory move gate: whether a device -> host copy may still read
+        device KV (``len(ongoing_offload) > 0``)."""
+        return len(self.ongoing_offload) > 0
+
+    def drain_before_retraction(self) -> None:
+        """SGLang 0.5.23 calls this before it retracts decode requests (whose slots it then frees
+        itself): settle the copies that read device KV before SGLang frees it.
+
+        Polls ``check_offload_progress`` until no device -> host copy is in flight. With TP every
+        rank settles the same copies per poll (the manager's agreement), so all ranks poll equally
+        often and stop together; with TP=1 the wait is bounded by ``SGLANG_RELEASE_WAIT_S``, after
+        which it returns and the retraction's ``release_kv_cache`` (through ``install()``'s hook)
+        handles each request as ``before_sglang_release`` does. Never raises for a copy in flight
+        (SGLang's own manager raises ``RuntimeError`` there).
+        """
+        if self._released_host:
+            return
+        self.manager.check_offload_progress()
+        deadline = None if self.tp_world_size > 1 else time.monotonic() + self.SGLANG_RELEASE_WAIT_S
+        while self.manager.stats().inflight_writes:
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("sglang.drain_before_retraction_bound", waited_s=self.SGLANG_RELEASE_WAIT_S,
+                            inflight=self.manager.stats().inflight_writes)
+                return
+            time.sleep(0.0002)
+            self.manager.check_offload_progress()
 
     def before_sglang_release(self, req) -> bool:
         """SGLang is about to free ``req``'s KV itself (``release_kv_cache``: retraction, abort).

@@ -1,6 +1,6 @@
 """Where the integration reads SGLang's configuration from: SGLang's runtime context.
 
-SGLang 0.5.19's ``DecodeKVCacheOffloadManager`` reads ``get_schedule()``, ``get_memory()`` and
+SGLang's ``DecodeKVCacheOffloadManager`` (0.5.19, 0.5.23) reads ``get_schedule()``, ``get_memory()`` and
 ``get_serving()`` from ``sglang.srt.runtime_context``; so does this integration (plus
 ``get_parallel()`` for the pipeline rank, which SGLang's storage naming reads too). The module is
 imported only when a manager is constructed. ``use_runtime`` substitutes another object with the
@@ -43,7 +43,7 @@ def current():
         from sglang.srt import runtime_context  # noqa: PLC0415 (lazy: sglang is optional)
     except ImportError as err:
         raise SGLangConfigError(
-            f"sglang.srt.runtime_context cannot be imported ({err}); run inside SGLang 0.5.19, "
+            f"sglang.srt.runtime_context cannot be imported ({err}); run inside SGLang (0.5.19, 0.5.23), "
             "or supply the getters with lifecycle.integrations.sglang.use_runtime(...)"
         ) from err
     return runtime_context

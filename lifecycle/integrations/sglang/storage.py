@@ -91,7 +91,7 @@ def plan_storage(config: OffloadConfig, tp_rank: int, tp_size: int, mla: bool) -
     Raises:
         SGLangConfigError: a backend refused, a setting it cannot honour, its client missing.
     """
-    refused = backends.refusal(config.storage_backend, config.extra_config)
+    refused = backends.refusal(config.storage_backend, config.extra_config, config.sglang_release)
     if refused:  # read_config refuses these first; kept for direct callers
         raise SGLangConfigError(refused)
     identity = deployment_identity(config, tp_rank, tp_size, mla)  # SGLangConfigError: no SGLang name
