@@ -179,3 +179,14 @@ def build_machine(event_cls=LeanEvent, machine_cls=Machine, callbacks=None, **ex
 
 MACHINE = build_machine()
 EVENTS = MACHINE.events
+
+# The triggers, one name each (``trigger(record, mgr=..., req=..., **data)``): what the manager and
+# ``lifecycle.work`` fire, greppable and followable from every call site.
+offload = EVENTS["offload"].trigger
+enqueued = EVENTS["enqueued"].trigger
+host_short = EVENTS["host_short"].trigger
+landed = EVENTS["landed"].trigger
+finish = EVENTS["finish"].trigger
+release = EVENTS["release"].trigger
+readmit = EVENTS["readmit"].trigger
+TRIGGERS = ("offload", "enqueued", "host_short", "landed", "finish", "release", "readmit")

@@ -213,7 +213,7 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
     without reading them (``transfer.gather.check_chunk_on_device``). A chunk that fails has its
     ids set to -1 in place, on the device: its copy then fails (whole aligned pages inside the pool
     is the copy's check) and nothing of it is stored. The chunk's pages are left in
-    ``mgr._reading.device.planned`` for the chunk's commit (``SlotsInFlight.add``).
+    ``mgr._ledger.reading.device.planned`` for the chunk's commit (``SlotsInFlight.add``).
 
     Without the pool's slot count (``mgr._slot_end`` None) only the pages' distinctness is checked.
     """
@@ -222,7 +222,7 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
         bad, _ = check_chunk_on_device(indices, ps, None)
         indices.masked_fill_(bad, -1)
         return
-    reading = mgr._reading
+    reading = mgr._ledger.reading
     dev = reading.device
     if dev is None:
         dev = reading.device = DeviceReads(indices, ps, end)
@@ -236,13 +236,13 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
     """Check the slot ids ``a`` (int64, row order) a plan will ``verb``; return them sorted and distinct.
 
     Args:
-        mgr: the manager (its ``_reading`` counts, copies in flight, allocator).
+        mgr: the manager (its ledger's ``reading`` counts and copies in flight, its allocator).
         rid, row, ranges: the request, its row and the token ranges ``a`` comes from (for messages).
         verb: ``"offload"`` or ``"free"``.
         quarantined: numpy ids this request's own expired copies may still read (a release leaves
             them out instead of refusing); None for none.
         indices: the chunk plan's slot tensor: the allocator is asked too (``check_free``; a
-            release asks its sink instead) and the checked ids are left in ``mgr._reading.planned``
+            release asks its sink instead) and the checked ids are left in ``mgr._ledger.reading.planned``
             for the chunk's commit.
     Returns:
         ``(ids, left_out)``: the sorted distinct ids (``a`` itself when it ascends), minus
@@ -276,7 +276,7 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             return s, left_out
         lo, hi = int(s[0]), int(s[-1])
     run = hi - lo + 1 == s.shape[0]
-    busy = mgr._reading.read(s, lo, hi, run)
+    busy = mgr._ledger.reading.read(s, lo, hi, run)
     if busy is not None:
         slot = int(busy[0])
         raise InvalidSlots(f"request {rid!r}: row {row} lists slot {slot} at a position to {verb} {_span(ranges)}, "
@@ -295,7 +295,7 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             except Exception as err:
                 raise InvalidSlots(f"request {rid!r}: row {row} lists slots the allocator does not hold at positions "
                                    f"to {verb} {_span(ranges)}: {err}") from err
-        mgr._reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
+        mgr._ledger.reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
     return s, left_out
 
 
@@ -311,12 +311,5 @@ def _span(ranges) -> str:
 
 
 def _reader(mgr, slot: int) -> str:
-    """Who reads ``slot``: the copy in flight or the expired copy (rare path: a refusal)."""
-    ack = mgr._reading.reader(slot)
-    chunk = mgr._ongoing.get(ack)
-    if chunk is not None:
-        return f"a copy in flight of request {chunk.rec.rid!r} (ack {ack}, tokens [{chunk.start}, {chunk.end}))"
-    q = mgr._expired.get(ack)
-    if q is not None:
-        return f"an expired copy of request {q.rid!r} (ack {ack}, slots quarantined)"
-    return "a copy in flight"
+    """Who reads ``slot`` (rare path: a refusal)."""
+    return mgr._ledger.reader_of(slot)

@@ -27,7 +27,7 @@ def frozen(rig):
     """Everything a refused call must leave as it was."""
     s = rig.mgr.stats()
     return (s, rig.mgr.snapshot(), rig.off.writes, rig.off.host_free_pages(), rig.alloc.available_size(),
-            rig.mgr._reading.total())
+            rig.mgr._ledger.reading.total())
 
 
 def first_sight(rig, rid="a", prompt=8, room=16, outputs=5):
@@ -135,7 +135,7 @@ def test_a_chunk_listing_a_slot_an_expired_copy_may_still_read_is_refused():
         rig.mgr.offload_kv_cache(b)
     rig.off.land([1])
     rig.progress()                                      # the expired copy ended: nothing reads them now
-    assert rig.mgr._reading.total() == 0
+    assert rig.mgr._ledger.reading.total() == 0
 
 
 def test_the_refusal_names_the_copy_that_reads_the_slot_among_copies_whose_spans_overlap():
@@ -172,10 +172,10 @@ def test_once_the_copy_landed_its_slots_are_not_held_any_more():
     rig = Rig(PS)
     req, _ = rig.admit("d", 8, 24)
     rig.decode(req, 4)
-    assert rig.mgr._reading.total() == 4
+    assert rig.mgr._ledger.reading.total() == 4
     rig.off.land()
     rig.progress()
-    assert rig.mgr._reading.total() == 0
+    assert rig.mgr._ledger.reading.total() == 0
     rig.mgr.check_integrity()
 
 
@@ -247,10 +247,10 @@ def test_a_chunk_longer_than_the_byte_compare_path_is_checked_the_same_way(bad):
         assert frozen(rig) == before and rig.mgr.state_of(req) is None
         return
     assert rig.mgr.offload_kv_cache(req) is True
-    assert rig.mgr._reading.total() == 304
+    assert rig.mgr._ledger.reading.total() == 304
     rig.off.land()
     rig.progress()
-    assert rig.mgr._reading.total() == 0
+    assert rig.mgr._ledger.reading.total() == 0
 
 
 def test_slot_counts_stay_exact_when_copies_overlap_outside_the_check():
@@ -290,7 +290,7 @@ def test_a_one_slot_chunk_is_checked_like_any_other():
         rig.mgr.offload_kv_cache(a)
     assert frozen(rig) == before and rig.mgr.state_of(a) is None
     table[a.kv.req_pool_idx, 4] = good
-    assert rig.mgr.offload_kv_cache(a) is True and rig.mgr._reading.total() == 1
+    assert rig.mgr.offload_kv_cache(a) is True and rig.mgr._ledger.reading.total() == 1
     b, _ = rig.admit("b", 4, 8, outputs=(7000, 7001))
     table[b.kv.req_pool_idx, 4] = good                    # the slot a's copy reads
     with pytest.raises(InvalidSlots, match=rf"lists slot {good} .* which a copy in flight of request 'a' \(ack 1"):
@@ -318,7 +318,7 @@ def test_a_two_slot_chunk_is_checked_like_any_other(bad):
         assert frozen(rig) == before and rig.mgr.state_of(req) is None
         return
     table[row, 4], table[row, 5] = second, first          # both still the request's: accepted
-    assert rig.mgr.offload_kv_cache(req) is True and rig.mgr._reading.total() == 2
+    assert rig.mgr.offload_kv_cache(req) is True and rig.mgr._ledger.reading.total() == 2
     other, _ = rig.admit("o", 4, 8, outputs=(7000, 7001, 7002))
     for slot in (first, second):
         table[other.kv.req_pool_idx, 4] = slot

@@ -228,7 +228,7 @@ def test_a_failed_copy_is_settled_once_and_leaves_nothing_behind():
     rig.off.fail([1])
     rig.progress()
     assert rig.mgr.stats().copy_failures == 1 and rig.off.pending_storage == {}
-    assert not rig.mgr._failed and not rig.mgr._ongoing  # no per-copy trace kept once settled
+    assert not rig.mgr._ledger.failed and not rig.mgr._ledger.ongoing  # no per-copy trace kept once settled
     rig.decode(req, 4, first=7005)                       # the next chunk: ack 2, landed and stored
     rig.off.land([2])
     rig.progress()
@@ -241,10 +241,10 @@ def test_an_expired_copy_that_then_fails_ends_its_quarantine_and_leaves_nothing_
     rig.decode(req, 4)                                   # ack 1
     rig.off.expire([1])
     rig.progress()                                       # expired: its slots quarantined
-    assert rig.mgr.stats().copies_expired == 1 and 1 in rig.mgr._expired
+    assert rig.mgr.stats().copies_expired == 1 and 1 in rig.mgr._ledger.expired
     rig.off.fail([1])                                    # it ends, as a failure
     rig.progress()
-    assert not rig.mgr._expired and not rig.mgr._failed and rig.mgr._reading.total() == 0
+    assert not rig.mgr._ledger.expired and not rig.mgr._ledger.failed and rig.mgr._ledger.reading.total() == 0
 
 
 class NoFailureReports(InMemoryOffloader):
