@@ -24,7 +24,7 @@ import msgspec
 
 from lifecycle.errors import IntegrityError
 from lifecycle.records import Chunk, Quarantine, Record, RecordView, ReleaseCheck, Stats, StorageOp
-from lifecycle.slots import SlotsInFlight
+from lifecycle.slots import PageNames, SlotsInFlight
 from lifecycle.states import State
 from transfer.gather import ids_verdict
 from transfer.indices import on_host
@@ -99,6 +99,9 @@ class Ledger:
         self.failed: set[int] = set()   # landed acks whose copy failed (never stored)
         self.expired: dict[int, Quarantine] = {}  # copies past their deadline, maybe still reading
         self.reading = SlotsInFlight()  # per device slot: copies (expired ones too) still reading it
+        self.names = PageNames()  # per device page: the page name a live request offloaded it under
+        self.holders: dict[int, Record] = {}  # serial -> record, for the live (not RELEASED) lifecycles
+        self._serials = itertools.count(1)
         self.release_checks: deque = deque()  # ReleaseCheck of released device rows, read by progress checks
         self._ack_ids = itertools.count(1)
         self.by_state = dict.fromkeys(State.__members__, 0)
@@ -122,7 +125,8 @@ class Ledger:
         """A PREFILLED record for a request read by ``read_request``; not yet inserted."""
         ref = weakref.KeyedRef(req, self.on_drop, id(req))
         row, _, allocated = view
-        return Record(ref, req.rid, row, _PREFILLED, progress, self.logger, slots=allocated)
+        return Record(ref, req.rid, row, _PREFILLED, progress, self.logger, slots=allocated,
+                      serial=next(self._serials))
 
     def insert(self, rec: Record, req) -> Record | None:
         """Start tracking ``rec``. Returns the leaked record it replaced (a dropped request with the
@@ -130,6 +134,7 @@ class Ledger:
         old = self.records.get(id(req))
         leaked = self.retire(old) if old is not None else None
         self.records[id(req)] = rec
+        self.holders[rec.serial] = rec
         self.by_state["PREFILLED"] += 1
         return leaked
 
@@ -146,6 +151,7 @@ class Ledger:
     def retire(self, rec: Record) -> Record | None:
         """Forget a record whose request was dropped; returns it when it leaked (not released)."""
         del self.records[rec.ref.key]
+        self.holders.pop(rec.serial, None)
         self.by_state[rec.state.name] -= 1
         if rec.state is _RELEASED:
             return None
@@ -164,6 +170,8 @@ class Ledger:
         row, _, allocated = view
         rec.row, rec.offload, rec.slots = row, progress, allocated
         rec.generation += 1
+        rec.serial = next(self._serials)  # the pages the old lifecycle held are not this one's
+        self.holders[rec.serial] = rec
 
     def count_refusal(self, trigger: str, state: str) -> None:
         """A refused call (``InvalidTransition``), by ``"TRIGGER in STATE"`` (bounded keys)."""
@@ -192,6 +200,8 @@ class Ledger:
         chain tail advanced."""
         self.ongoing[chunk.ack_id] = chunk
         self.reading.add(chunk.ack_id, chunk.indices)
+        if self.names.planned is not None:
+            self.names.add(chunk.indices)
         rec.inflight += 1
         rec.offload.inc_len += chunk.end - chunk.start
         rec.offload.last_hash = chunk.page_hashes[-1]
@@ -278,9 +288,13 @@ class Ledger:
         """The slot tensors ``rec``'s expired copies may still read (not yet ended)."""
         return [self.expired[a].slots for a in rec.expired or () if a in self.expired]
 
-    def released_rec(self, rec: Record, freed) -> None:
+    def released_rec(self, rec: Record, freed, ids=None, page_size: int = 1) -> None:
         """``rec`` was released (``freed``: what the release sink returned; False: it freed nothing,
-        its owner frees). Its quarantined slots are freed when their copies end."""
+        its owner frees; ``ids``: the host slot ids freed, None for a device row). Its quarantined
+        slots are freed when their copies end; the device pages it held are nobody's now."""
+        self.holders.pop(rec.serial, None)
+        if ids is not None:
+            self.names.clear(ids, page_size, rec.serial)
         for ack in rec.expired or ():
             q = self.expired.get(ack)
             if q is not None and freed is not False and not q.disowned:

@@ -130,6 +130,67 @@ class SlotsInFlight:
         return int(self._n.sum())
 
 
+class PageNames:
+    """Under which page name each device page (a manager page, keyed by its first slot id //
+    ``page_size``) was offloaded, and by which live request (its record's ``serial``): a chunk whose
+    row lists, at one of its pages, a device page that another live request holds under a
+    different name would store that request's KV under this one's name, and is refused
+    (``check_slots``). The same name in both (a prefix page shared through SGLang's radix cache)
+    is allowed. Host rows only (a device row's ids are never read on the host).
+
+    Entries are set when a chunk is committed (``add``) and cleared when its request is released
+    (``clear``); an entry left by a request that is no longer live (``holders``) is ignored.
+    """
+
+    __slots__ = ("owner", "names", "planned")
+
+    def __init__(self) -> None:
+        self.owner = np.zeros(256, dtype=np.int64)  # per device page: the holder's serial (0: none)
+        self.names = np.empty(256, dtype=object)    # per device page: its name under that holder
+        self.planned = None  # (indices, keys, serial, names) of the chunk just checked
+
+    def conflict(self, keys: np.ndarray, serial: int, names, holders: dict):
+        """The first chunk page whose device page another live request holds under another name:
+        ``(i, holder record)``, or None."""
+        n = self.owner.shape[0]
+        inside = keys if int(keys.max()) < n else keys[keys < n]
+        own = self.owner[inside]
+        if not own.any():
+            return None
+        for i in np.flatnonzero((own != 0) & (own != serial)).tolist():
+            holder = holders.get(int(own[i]))
+            if holder is not None and self.names[int(inside[i])] != names[i]:
+                return (int(np.flatnonzero(keys == inside[i])[0]), holder)
+        return None
+
+    def add(self, indices) -> None:
+        """The chunk checked last (its ``indices``) was committed: its pages are held under its names."""
+        p, self.planned = self.planned, None
+        if p is None or p[0] is not indices:
+            return
+        _, keys, serial, names = p
+        hi = int(keys.max())
+        if hi >= self.owner.shape[0]:
+            size = max(2 * self.owner.shape[0], hi + 1)
+            owner, named = np.zeros(size, dtype=np.int64), np.empty(size, dtype=object)
+            owner[: self.owner.shape[0]], named[: self.names.shape[0]] = self.owner, self.names
+            self.owner, self.names = owner, named
+        self.owner[keys] = serial
+        self.names[keys] = names
+
+    def clear(self, ids: np.ndarray, page_size: int, serial: int) -> None:
+        """A request released the slots ``ids``: the pages it held among them are nobody's now."""
+        n = self.owner.shape[0]
+        if not ids.shape[0] or int(ids[0]) // page_size >= n:
+            return
+        keys = ids // page_size
+        keys = keys[keys < n]
+        mine = keys[self.owner[keys] == serial]
+        if mine.shape[0]:
+            self.owner[mine] = 0
+            self.names[mine] = None
+
+
 class DeviceReads:
     """``SlotsInFlight`` for slot ids that live on a device: per page of the device pool, how many
     copies in flight (expired ones included, until they end) read it, as an int32 tensor on that
@@ -232,7 +293,8 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
     dev.plan(indices, bad, pages)
 
 
-def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None):
+def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None,
+                names=None, serial: int = 0):
     """Check the slot ids ``a`` (int64, row order) a plan will ``verb``; return them sorted and distinct.
 
     Args:
@@ -244,12 +306,15 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
         indices: the chunk plan's slot tensor: the allocator is asked too (``check_free``; a
             release asks its sink instead) and the checked ids are left in ``mgr._ledger.reading.planned``
             for the chunk's commit.
+        names, serial: the chunk plan's page names and its record's ``serial``: a device page
+            another live request holds under another name is refused (``PageNames``).
     Returns:
         ``(ids, left_out)``: the sorted distinct ids (``a`` itself when it ascends), minus
         ``quarantined``, and how many were left out for it.
     Raises:
         InvalidSlots: a negative id, a repeated id, an id a copy in flight reads, or (chunk plan)
-            an id the allocator does not hold or has never had.
+            an id the allocator does not hold or has never had, or a device page another live
+            request holds under another page name.
     """
     n = a.shape[0]
     if n == 0:
@@ -295,7 +360,19 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             except Exception as err:
                 raise InvalidSlots(f"request {rid!r}: row {row} lists slots the allocator does not hold at positions "
                                    f"to {verb} {_span(ranges)}: {err}") from err
-        mgr._ledger.reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
+        ledger = mgr._ledger
+        if names is not None:
+            keys = a[:: mgr.page_size] // mgr.page_size  # each chunk page's device page (its first slot's)
+            hit = ledger.names.conflict(keys, serial, names, ledger.holders)
+            if hit is not None:
+                i, holder = hit
+                raise InvalidSlots(
+                    f"request {rid!r}: row {row} lists slot {int(a[i * mgr.page_size])} at a position to {verb} "
+                    f"{_span(ranges)}, on a device page request {holder.rid!r} holds under another page name "
+                    f"({ledger.names.names[int(keys[i])]} there, {names[i]} here): its KV would be stored "
+                    f"under this request's name")
+            ledger.names.planned = (indices, keys, serial, names)
+        ledger.reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
     return s, left_out
 
 

@@ -145,8 +145,9 @@ def deep_copy(mgr, memo):
         memo[id(rec)] = clone
         ledger.records[id(twin)] = clone
     ledger.logger = old.logger
+    ledger.holders = {serial: memo[id(rec)] for serial, rec in old.holders.items() if id(rec) in memo}
     for key, value in old.__dict__.items():
-        if key not in ("records", "dropped", "on_drop", "logger"):
+        if key not in ("records", "dropped", "on_drop", "logger", "holders"):
             ledger.__dict__[key] = copy.deepcopy(value, memo)
     new._ledger = ledger
     for key, value in mgr.__dict__.items():
