@@ -288,13 +288,11 @@ class Ledger:
         """The slot tensors ``rec``'s expired copies may still read (not yet ended)."""
         return [self.expired[a].slots for a in rec.expired or () if a in self.expired]
 
-    def released_rec(self, rec: Record, freed, ids=None, page_size: int = 1) -> None:
+    def released_rec(self, rec: Record, freed) -> None:
         """``rec`` was released (``freed``: what the release sink returned; False: it freed nothing,
-        its owner frees; ``ids``: the host slot ids freed, None for a device row). Its quarantined
-        slots are freed when their copies end; the device pages it held are nobody's now."""
-        self.holders.pop(rec.serial, None)
-        if ids is not None:
-            self.names.clear(ids, page_size, rec.serial)
+        its owner frees). Its quarantined slots are freed when their copies end; the device pages
+        it held are nobody's now."""
+        self.holders.pop(rec.serial, None)  # the device pages it held are nobody's (PageNames)
         for ack in rec.expired or ():
             q = self.expired.get(ack)
             if q is not None and freed is not False and not q.disowned:

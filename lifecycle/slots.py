@@ -132,35 +132,33 @@ class SlotsInFlight:
 
 class PageNames:
     """Under which page name each device page (a manager page, keyed by its first slot id //
-    ``page_size``) was offloaded, and by which live request (its record's ``serial``): a chunk whose
+    ``page_size``) was offloaded, and by which lifecycle (its record's ``serial``): a chunk whose
     row lists, at one of its pages, a device page that another live request holds under a
     different name would store that request's KV under this one's name, and is refused
     (``check_slots``). The same name in both (a prefix page shared through SGLang's radix cache)
     is allowed. Host rows only (a device row's ids are never read on the host).
 
-    Entries are set when a chunk is committed (``add``) and cleared when its request is released
-    (``clear``); an entry left by a request that is no longer live (``holders``) is ignored.
+    Entries are set when a chunk is committed (``add``) and overwritten by the page's next holder;
+    an entry of a lifecycle that is no longer live (not in the ledger's ``holders``: released,
+    dropped, readmitted) is ignored, so a release clears nothing. Two flat dicts (no object per
+    entry): bounded by the device pool's pages.
     """
 
-    __slots__ = ("owner", "names", "planned")
+    __slots__ = ("owner", "name", "planned")
 
     def __init__(self) -> None:
-        self.owner = np.zeros(256, dtype=np.int64)  # per device page: the holder's serial (0: none)
-        self.names = np.empty(256, dtype=object)    # per device page: its name under that holder
+        self.owner: dict[int, int] = {}  # device page -> serial of the lifecycle that offloaded it
+        self.name: dict[int, str] = {}   # device page -> its page name there
         self.planned = None  # (indices, keys, serial, names) of the chunk just checked
 
-    def conflict(self, keys: np.ndarray, serial: int, names, holders: dict):
+    def conflict(self, keys, serial: int, names, holders: dict):
         """The first chunk page whose device page another live request holds under another name:
         ``(i, holder record)``, or None."""
-        n = self.owner.shape[0]
-        inside = keys if int(keys.max()) < n else keys[keys < n]
-        own = self.owner[inside]
-        if not own.any():
-            return None
-        for i in np.flatnonzero((own != 0) & (own != serial)).tolist():
-            holder = holders.get(int(own[i]))
-            if holder is not None and self.names[int(inside[i])] != names[i]:
-                return (int(np.flatnonzero(keys == inside[i])[0]), holder)
+        owner = self.owner
+        for i, key in enumerate(keys):
+            held = owner.get(key)
+            if held is not None and held != serial and held in holders and self.name[key] != names[i]:
+                return i, holders[held]
         return None
 
     def add(self, indices) -> None:
@@ -169,26 +167,10 @@ class PageNames:
         if p is None or p[0] is not indices:
             return
         _, keys, serial, names = p
-        hi = int(keys.max())
-        if hi >= self.owner.shape[0]:
-            size = max(2 * self.owner.shape[0], hi + 1)
-            owner, named = np.zeros(size, dtype=np.int64), np.empty(size, dtype=object)
-            owner[: self.owner.shape[0]], named[: self.names.shape[0]] = self.owner, self.names
-            self.owner, self.names = owner, named
-        self.owner[keys] = serial
-        self.names[keys] = names
-
-    def clear(self, ids: np.ndarray, page_size: int, serial: int) -> None:
-        """A request released the slots ``ids``: the pages it held among them are nobody's now."""
-        n = self.owner.shape[0]
-        if not ids.shape[0] or int(ids[0]) // page_size >= n:
-            return
-        keys = ids // page_size
-        keys = keys[keys < n]
-        mine = keys[self.owner[keys] == serial]
-        if mine.shape[0]:
-            self.owner[mine] = 0
-            self.names[mine] = None
+        owner, name = self.owner, self.name
+        for key, n in zip(keys, names):
+            owner[key] = serial
+            name[key] = n
 
 
 class DeviceReads:
@@ -362,14 +344,15 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
                                    f"to {verb} {_span(ranges)}: {err}") from err
         ledger = mgr._ledger
         if names is not None:
-            keys = a[:: mgr.page_size] // mgr.page_size  # each chunk page's device page (its first slot's)
+            ps = mgr.page_size  # each chunk page's device page: its first slot's
+            keys = range(lo // ps, hi // ps + 1) if run and not lo % ps else (a[::ps] // ps).tolist()
             hit = ledger.names.conflict(keys, serial, names, ledger.holders)
             if hit is not None:
                 i, holder = hit
                 raise InvalidSlots(
                     f"request {rid!r}: row {row} lists slot {int(a[i * mgr.page_size])} at a position to {verb} "
                     f"{_span(ranges)}, on a device page request {holder.rid!r} holds under another page name "
-                    f"({ledger.names.names[int(keys[i])]} there, {names[i]} here): its KV would be stored "
+                    f"({ledger.names.name[keys[i]]} there, {names[i]} here): its KV would be stored "
                     f"under this request's name")
             ledger.names.planned = (indices, keys, serial, names)
         ledger.reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0

@@ -13,7 +13,6 @@ from __future__ import annotations
 from logging import DEBUG
 
 from lifecycle import audit, machine, settle
-from transfer.indices import on_host
 
 
 def enqueue_chunk(fire) -> None:
@@ -67,8 +66,7 @@ def free_memory(fire) -> None:
     freed = mgr.release_sink.free(plan)
     if plan.device_check is not None:  # a device row: its verdict is read by a later progress check
         settle.queue_release_check(mgr, plan.device_check)
-    ids = plan.slots.numpy() if plan.device_check is None and on_host(plan.slots) else None
-    mgr._ledger.released_rec(rec, freed, ids, mgr.page_size)  # False: the sink freed nothing (another owner frees the quarantined)
+    mgr._ledger.released_rec(rec, freed)  # False: the sink freed nothing (another owner frees the quarantined)
     if mgr._log.is_enabled_for(DEBUG):   # per request: DEBUG, so a server at INFO logs nothing per request
         mgr._emit(rec.log.debug, audit.RELEASED, ranges=list(plan.ranges), slots=sum(e - s for s, e in plan.ranges),
                   committed=plan.committed, allocated=plan.allocated, quarantined=plan.quarantined)
