@@ -246,8 +246,8 @@ class Ledger:
             unknown += [("op", o) for o in stored if o not in self.storage_ops]
             for kind, i in unknown:
                 (landed if kind == "ack" else stored).discard(i)
-        if agree is None:  # landings in issue order: a chain's chunks reach storage in order
-            acks, ops = [a for a in self.ongoing if a in landed], list(stored)
+        if agree is None:  # landings in issue order, each after its request's earlier chunks: chain order
+            acks, ops = _in_chain_order(self.ongoing, landed), list(stored)
         else:
             acks, ops = _done_prefix(self.ongoing, landed), _done_prefix(self.storage_ops, stored)
             n_acks, n_ops = agree(len(acks), len(ops))
@@ -350,10 +350,12 @@ class Ledger:
     # --- readers -----------------------------------------------------------------------------------
 
     def copies_of(self, rec: Record) -> list[int]:
-        """Ack ids of ``rec``'s copies in flight (issue order)."""
+        """Ack ids of ``rec``'s copies in flight (issue order); a copy reported landed is not (one
+        waiting for its predecessor to land, before its storage write, included)."""
         if not rec.inflight:
             return []
-        return [ack for ack, chunk in self.ongoing.items() if chunk.rec is rec]
+        landed = self.landed
+        return [ack for ack, chunk in self.ongoing.items() if chunk.rec is rec and ack not in landed]
 
     def idle(self) -> bool:
         """No copy and no storage op in flight and nothing awaits settling."""
@@ -465,6 +467,24 @@ def _record_problems(rec, n: int) -> list[str]:
     if rec.state is _FINISHED and not rec.inflight:
         problems.append(f"{rec.rid!r}: FINISHED with nothing in flight but not released")
     return problems
+
+
+def _in_chain_order(ongoing: dict, landed: set) -> list:
+    """The landed acks of ``ongoing`` in issue order, leaving out each one an earlier chunk of the
+    same request is still in flight before (it waits for that one to land, fail or expire: its
+    pages are never stored, and announced, before their parent)."""
+    if len(landed) == len(ongoing):
+        return list(ongoing)  # all landed (the usual case): issue order is chain order
+    acks, waiting = [], None
+    for ack, chunk in ongoing.items():
+        if ack in landed:
+            if waiting is None or id(chunk.rec) not in waiting:
+                acks.append(ack)
+        else:
+            if waiting is None:
+                waiting = set()
+            waiting.add(id(chunk.rec))
+    return acks
 
 
 def _done_prefix(table: dict, done: set) -> list:

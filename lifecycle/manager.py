@@ -249,7 +249,8 @@ class DecodeOffloadManager(CallGate):
         return None if rec is None else rec.state
 
     def copies_of(self, req) -> list[int]:
-        """Ack ids of the request's copies in flight (issue order); [] for an unseen request."""
+        """Ack ids of the request's copies in flight (issue order; one reported landed is not); [] for
+        an unseen request."""
         rec = self._ledger.lookup(req)
         return [] if rec is None else self._ledger.copies_of(rec)
 
@@ -463,8 +464,8 @@ class DecodeOffloadManager(CallGate):
             chunk = settle.landed(self, ack)
             if not chunk.rec.inflight:
                 self._copies_ended(chunk.rec, chunk.req, refused)
-        for op_id in due.ops:
-            settle.stored(self, op_id)
+        if due.ops:
+            settle.stored(self, due.ops)
         if due.unknown:
             raise UnknownCompletion(f"offloader reported ids never issued or already settled: {due.unknown}")
         if refused:

@@ -72,13 +72,14 @@ def expired_ended(mgr, q: Quarantine) -> None:
               slots_freed=q.slots.numel() if q.released else 0)
 
 
-def stored(mgr, op_id: int) -> None:
-    """A storage op finished (either way): its host pages go back."""
-    op = mgr._ledger.finish_storage(op_id)
-    mgr.offloader.free_host(op.host)
+def stored(mgr, op_ids: list) -> None:
+    """Storage ops finished (either way): their host pages go back, in one ``free_host`` call."""
+    ops = [mgr._ledger.finish_storage(op_id) for op_id in op_ids]
+    mgr.offloader.free_host(ops[0].host if len(ops) == 1 else torch.cat([op.host for op in ops]))
     if mgr._debug:
-        mgr._emit(mgr._log.debug, audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,
-                  first_hash=op.first_hash, last_hash=op.last_hash)
+        for op in ops:
+            mgr._emit(mgr._log.debug, audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,
+                      first_hash=op.first_hash, last_hash=op.last_hash)
 
 
 MAX_RELEASE_CHECKS = 1024  # device-side release checks kept unread (a scheduler that never polls)
