@@ -11,10 +11,10 @@ import logging
 import math
 import time
 
-from lifecycle import audit, settle
+from lifecycle import audit, machine, settle
 from lifecycle.errors import InvalidArgument, InvalidTransition, LifecycleError, ManagerClosed, ReentrantCall
 from lifecycle.records import Record
-from lifecycle.states import Facts, Refusal, decide
+from lifecycle.states import Facts, Refusal
 
 BUSY, CLOSED = "busy", "closed"
 # per-operation alerts: one per chunk, copy or request, so a failing device or tier repeats them
@@ -69,7 +69,7 @@ class CallGate:
         raise InvalidTransition(rid, trigger, state, reason)
 
     def _refuse(self, rec: Record, trigger: str, facts: Facts):
-        verdict = decide(trigger, facts)
+        verdict = machine.EVENTS[trigger].choose(facts)
         reason = verdict.explain(facts) if isinstance(verdict, Refusal) else f"{trigger!r} not allowed"
         if self._gate is None:  # the fast path logs at once
             self._ledger.count_refusal(trigger, rec.state.name)

@@ -1,13 +1,16 @@
 """``DecodeOffloadManager``: the scheduler-facing lifecycle of a decode node's KV cache.
 
 A drop-in for SGLang 0.5.19's ``DecodeKVCacheOffloadManager``. The scheduler calls it; it decides
-and records; the ``Offloader`` it was given moves the bytes. Every scheduler call reads and checks
-the request once (``lifecycle.requests``), plans its whole effect (a chunk, a ``ReleasePlan``) and
-asks the declared table (``lifecycle.states.decide``) whether the trigger is allowed — all before
-the first side effect; then the module-level machine (``lifecycle.machine``) applies it, running
-the work of ``lifecycle.work``. Every datum of the bookkeeping is owned by one ``lifecycle.ledger.
-Ledger`` and changed only through its methods; completions are settled one by one by
-``lifecycle.settle`` and the manager moves their requests on. The per-step fast path fires nothing.
+and records; the ``Offloader`` it was given moves the bytes. Each call is read -> plan -> fire ->
+ledger -> offloader / sink -> emit: it reads and checks the request once (``lifecycle.requests``),
+asks the declared table once whether its trigger is allowed (``machine.FINISH.choose(facts)``: the
+guards evaluated once, a refusal explained by that same evaluation), plans its whole effect (a
+chunk, a ``ReleasePlan``) — all before the first side effect — and then applies the chosen
+transition (``apply``), whose work (``lifecycle.work``) hands the plan to the offloader or the
+release sink. Every datum of the bookkeeping is owned by one ``lifecycle.ledger.Ledger`` and
+changed only through its methods; completions are settled one by one by ``lifecycle.settle``,
+which hands back what moved, and the manager moves the requests on (nothing calls back up into
+it). The per-step fast path fires nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from lifecycle.log import RateLimitedLog, get_logger
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release, slot_end
 from lifecycle.requests import check_shape, initial_progress, namespace_of, plan_chunk, read_request
-from lifecycle.states import Facts, Refusal, State, decide
+from lifecycle.states import Facts, Refusal, State
 
 _PREFILLED, _INFLIGHT, _FINISHED = State.PREFILLED, State.INFLIGHT, State.FINISHED
 
@@ -177,20 +180,23 @@ class DecodeOffloadManager(CallGate):
         try:
             rec = self._ledger.lookup(req)
             fresh = rec is None
+            facts = Facts(_PREFILLED) if fresh else Facts(rec.state, rec.inflight, finalizing=True)
             if not fresh:
-                facts = Facts(rec.state, rec.inflight, finalizing=True)
-                verdict = decide("finish", facts)
-                if isinstance(verdict, Refusal):
-                    self._raise(rec.rid, "finish", rec.state.name, verdict.explain(facts))
+                finish = machine.FINISH.choose(facts)  # the table, read once for this call
+                if isinstance(finish, Refusal):
+                    self._raise(rec.rid, "finish", rec.state.name, finish.explain(facts))
             view = read_request(self, req, rec)
             if fresh:
                 rec = self._ledger.new_record(req, view, initial_progress(self, req))
-            plan = None if rec.inflight else self._plan_release(rec, req, view)
+                finish = machine.FINISH.choose(facts._replace(finalizing=True))
+            # released now unless copies are in flight (then when the last one lands): the table says
+            release = machine.RELEASE.choose(Facts(_FINISHED, rec.inflight, finalizing=True))
+            plan = None if isinstance(release, Refusal) else self._plan_release(rec, req, view)
             if fresh:
                 self._insert(rec, req)
-            machine.finish(rec, mgr=self, req=req, finalizing=True)
+            machine.FINISH.apply(rec, finish, mgr=self, req=req, finalizing=True)
             if plan is not None:
-                machine.release(rec, mgr=self, req=req, plan=plan)
+                machine.RELEASE.apply(rec, release, mgr=self, req=req, plan=plan)
         finally:
             self._leave()
 
@@ -231,12 +237,12 @@ class DecodeOffloadManager(CallGate):
             if rec is None:
                 self._raise(getattr(req, "rid", None), "readmit", "UNSEEN", "the request was never seen")
             facts = Facts(rec.state, rec.inflight)
-            verdict = decide("readmit", facts)
-            if isinstance(verdict, Refusal):
-                self._raise(rec.rid, "readmit", rec.state.name, verdict.explain(facts))
+            readmit = machine.READMIT.choose(facts)
+            if isinstance(readmit, Refusal):
+                self._raise(rec.rid, "readmit", rec.state.name, readmit.explain(facts))
             view = read_request(self, req)
             progress = initial_progress(self, req)
-            machine.readmit(rec, mgr=self, req=req, view=view, progress=progress)
+            machine.READMIT.apply(rec, readmit, mgr=self, req=req, view=view, progress=progress)
             self._owners.claim(req, self, rec.ref)
         finally:
             self._leave()
@@ -409,10 +415,13 @@ class DecodeOffloadManager(CallGate):
     def _release(self, rec: Record, req, view=None, fresh: bool = False) -> None:
         """Decide, plan and apply a release (inside a call). Refused: nothing changed."""
         facts = Facts(rec.state, rec.inflight, finished=bool(req.finished()))
-        finish = rec.state is _PREFILLED or rec.state is _INFLIGHT
-        verdict = decide("finish", facts) if finish else decide("release", facts)
-        if finish and not isinstance(verdict, Refusal):
-            verdict = decide("release", facts._replace(state=_FINISHED))
+        finish = None
+        if rec.state is _PREFILLED or rec.state is _INFLIGHT:  # finished first, then released
+            finish = verdict = machine.FINISH.choose(facts)
+            if not isinstance(finish, Refusal):
+                verdict = machine.RELEASE.choose(facts._replace(state=_FINISHED))
+        else:
+            verdict = machine.RELEASE.choose(facts)
         if isinstance(verdict, Refusal):
             self._raise(rec.rid, "release", "UNSEEN" if fresh else rec.state.name, verdict.explain(facts))
         if view is None:
@@ -420,9 +429,9 @@ class DecodeOffloadManager(CallGate):
         plan = self._plan_release(rec, req, view)
         if fresh:
             self._insert(rec, req)
-        if finish:
-            machine.finish(rec, mgr=self, req=req, finished=True)
-        machine.release(rec, mgr=self, req=req, plan=plan)
+        if finish is not None:
+            machine.FINISH.apply(rec, finish, mgr=self, req=req, finished=True)
+        machine.RELEASE.apply(rec, verdict, mgr=self, req=req, plan=plan)
 
     # --- the record table and completions (bookkeeping in the ledger, work in settle) -------------
 
