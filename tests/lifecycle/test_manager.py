@@ -21,7 +21,7 @@ from lifecycle import machine
 from lifecycle.records import RecordView
 from tests.conftest import Node
 from lifecycle_tools.testkit.doubles import CountingReq, DoubleFree, EffectiveReq, Req
-from transfer import InMemoryOffloader
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 P, O, I, F, R = State.PREFILLED, State.OFFLOADING, State.INFLIGHT, State.FINISHED, State.RELEASED
 

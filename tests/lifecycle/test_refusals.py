@@ -26,7 +26,7 @@ from lifecycle import (
 )
 from lifecycle_tools.testkit.doubles import PagedAllocator, Req, ReqToTokenPool
 from tests.conftest import Node
-from transfer import InMemoryOffloader
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 P, F, R = State.PREFILLED, State.FINISHED, State.RELEASED
 

@@ -14,7 +14,8 @@ from hashing import page_hashes
 from lifecycle import InvalidTransition, State, UnknownCompletion, audit
 from lifecycle.release import AllocatorReleaseSink, ReleaseRefused
 from tests.support.real_rig import Rig
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 PS = 4
 
