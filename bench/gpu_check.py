@@ -107,7 +107,8 @@ def round_trip() -> bool:
     import torch
 
     from tests.support.transfer_helpers import drain
-    from transfer import CudaCopyEngine, HostPool, KVPool, synthetic_kv
+    from transfer import CudaCopyEngine, HostPool, KVPool
+    from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 
     ps, done = 16, []
     try:

@@ -11,10 +11,10 @@ import logging
 import math
 import time
 
-from lifecycle import audit, integrity, settle
+from lifecycle import audit, machine, settle
 from lifecycle.errors import InvalidArgument, InvalidTransition, LifecycleError, ManagerClosed, ReentrantCall
 from lifecycle.records import Record
-from lifecycle.states import Facts, Refusal, decide
+from lifecycle.states import Facts, Refusal
 
 BUSY, CLOSED = "busy", "closed"
 # per-operation alerts: one per chunk, copy or request, so a failing device or tier repeats them
@@ -63,34 +63,27 @@ class CallGate:
         raise ReentrantCall("a DecodeOffloadManager call was made while another call of the same manager "
                             "is running (from a log processor or a callback?); nothing was changed")
 
-    def _count_refusal(self, trigger: str, state: str) -> None:
-        key = f"{trigger} in {state}"   # bounded: triggers x states (+ UNSEEN); the reason has numbers
-        self._refusals[key] = self._refusals.get(key, 0) + 1
-
     def _raise(self, rid, trigger: str, state: str, reason: str):
-        self._count_refusal(trigger, state)
+        self._ledger.count_refusal(trigger, state)  # bounded: triggers x states (+ UNSEEN)
         self._emit(self._log.info, audit.REFUSED, rid=rid, trigger=trigger, state=state, reason=reason)
         raise InvalidTransition(rid, trigger, state, reason)
 
     def _refuse(self, rec: Record, trigger: str, facts: Facts):
-        verdict = decide(trigger, facts)
+        verdict = machine.EVENTS[trigger].choose(facts)
         reason = verdict.explain(facts) if isinstance(verdict, Refusal) else f"{trigger!r} not allowed"
         if self._gate is None:  # the fast path logs at once
-            self._count_refusal(trigger, rec.state.name)
+            self._ledger.count_refusal(trigger, rec.state.name)
             self._log.info(audit.REFUSED, rid=rec.rid, trigger=trigger, state=rec.state.name, reason=reason)
             raise InvalidTransition(rec.rid, trigger, rec.state.name, reason)
         self._raise(rec.rid, trigger, rec.state.name, reason)
 
     def _note_host_short(self, rec: Record, start: int, end: int) -> None:
-        """Each refusal is an audit event (INFO); a WARNING at most every ``HOST_SHORT_WARN_S``."""
+        """Counted; each refusal is an audit event (INFO); a WARNING at most every ``HOST_SHORT_WARN_S``."""
         self._emit(rec.log.info, audit.HOST_SHORT, start=start, end=end)
-        self._host_short_since_warning += 1
-        now = self._clock()
-        last = self._host_short_warned_at
-        if last is None or now - last >= HOST_SHORT_WARN_S:
-            self._emit(self._log.warning, audit.HOST_SHORT_SUMMARY, refused=self._host_short_since_warning,
-                       total=self._host_short, interval_s=HOST_SHORT_WARN_S)
-            self._host_short_warned_at, self._host_short_since_warning = now, 0
+        refused = self._ledger.note_host_short(self._clock(), HOST_SHORT_WARN_S)
+        if refused is not None:
+            self._emit(self._log.warning, audit.HOST_SHORT_SUMMARY, refused=refused,
+                       total=self._ledger.host_short, interval_s=HOST_SHORT_WARN_S)
 
 
 def shutdown(mgr, force: bool, timeout_s: float):
@@ -108,24 +101,25 @@ def shutdown(mgr, force: bool, timeout_s: float):
     # what the drain left, not the bound again)
     deadline = time.monotonic() + timeout_s
     if mgr._gate == CLOSED:
-        return integrity.pending(mgr)
+        return mgr._ledger.pending()
     if force and mgr._gate is None:
         drain(mgr, timeout_s)
     mgr._enter()
     try:
         settle.collect(mgr)
-        pending = integrity.pending(mgr)
-        busy = not mgr.idle()
+        ledger = mgr._ledger
+        pending = ledger.pending()
+        busy = not ledger.idle()
         if busy and not force:
             raise LifecycleError(f"shutdown refused: {pending.describe()}")
-        if mgr._release_checks:  # device-side release checks: the landed ones read, the rest dropped
+        if ledger.release_checks:  # device-side release checks: the landed ones read, the rest dropped
             settle.release_checks(mgr, final=True)
         if busy:
-            mgr._abandoned += pending.copies + pending.storage_ops
+            ledger.abandon(pending.copies + pending.storage_ops)
             mgr._emit(mgr._log.error, audit.ABANDONED, pending=pending.describe(),
-                      acks=sorted(mgr._ongoing),
-                      copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in mgr._ongoing.items()],
-                      held_slots=sum(c.indices.numel() for c in mgr._ongoing.values()),
+                      acks=sorted(ledger.ongoing),
+                      copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in ledger.ongoing.items()],
+                      held_slots=sum(c.indices.numel() for c in ledger.ongoing.values()),
                       quarantined_slots=pending.quarantined_slots,
                       why="a copy may still read these slots: they stay allocated, never reused")
     finally:

@@ -22,7 +22,7 @@ from transitions import Event, Machine
 
 from lifecycle import work
 from lifecycle.errors import InvalidTransition
-from lifecycle.states import GUARDS, INITIAL, TRANSITIONS, Facts, Refusal, State, decide
+from lifecycle.states import GUARDS, INITIAL, REFUSALS, TRANSITIONS, Facts, Refusal, State, decide
 
 logging.getLogger("transitions").setLevel(logging.WARNING)
 
@@ -80,6 +80,31 @@ class LeanEvent(Event):
                 return dest
         return None
 
+    def choose(self, facts: Facts):
+        """The one evaluation of this event's guards for a call: the transition it takes for
+        ``facts`` (an opaque option for ``apply``), or the ``Refusal`` that explains why not (the
+        catalogue entry for the guard that failed, or for the state with no transition). Every
+        guard is evaluated once, on ``facts``; ``apply`` then runs the chosen row without
+        evaluating them again."""
+        plans = self._plans or self._compile()
+        failed = None
+        for option in plans.get(facts.state, ()):
+            failed = _failing(option[0], facts)
+            if failed is None:
+                return option
+        return refusal_of(self.name, facts, failed)
+
+    def apply(self, model, option, **kwargs) -> None:
+        """Run the transition ``choose`` picked on ``model``: its ``before`` work, the state change,
+        its ``after`` work (kwargs reach the callbacks as ``fire.kwargs``)."""
+        _, before, dest, after, t = option
+        fire = Fire(model, kwargs, self, t, model.state)
+        for cb in before:
+            cb(fire)
+        model.state = dest
+        for cb in after:
+            cb(fire)
+
     def trigger(self, model, *args, **kwargs):
         """Fire this event on ``model`` (a record); kwargs reach the callbacks as ``fire.kwargs``.
 
@@ -108,6 +133,27 @@ class LeanEvent(Event):
         raise InvalidTransition(model.rid, self.name, src.name, _guard_reason(model, self.name, kwargs))
 
 
+def _failing(conds, facts: Facts) -> str | None:
+    """The table's name of the first guard of ``conds`` that fails on ``facts`` (``!name``: an
+    ``unless`` guard that holds), or None when the row is allowed."""
+    for func, target in conds:
+        if func.guard(facts) != target:
+            return func.__name__ if target else "!" + func.__name__
+    return None
+
+
+def refusal_of(trigger: str, facts: Facts, failed: str | None) -> Refusal:
+    """The catalogue's ``Refusal`` for ``trigger`` refused on ``facts`` (``failed``: the failing
+    guard's name, None when the state has no transition): the same selection as ``states.decide``."""
+    for r in REFUSALS:
+        if r.trigger == trigger and ((failed is not None and r.guard == failed)
+                                     or (failed is None and facts.state in r.states)):
+            return r
+    if failed is not None:
+        return Refusal(trigger, f"guard {failed} failed", "", guard=failed)
+    return Refusal(trigger, f"no {trigger!r} transition from {facts.state.name}", "", states=(facts.state,))
+
+
 def _passes(conds, fire) -> bool:
     for func, target in conds:
         if func(fire) != target:
@@ -133,6 +179,7 @@ def _bind_guard(guard):
 
     check.__name__ = check.__qualname__ = guard.__name__
     check.__doc__ = guard.__doc__
+    check.guard = guard  # the pure predicate over Facts (``LeanEvent.choose``)
     return check
 
 
@@ -179,3 +226,16 @@ def build_machine(event_cls=LeanEvent, machine_cls=Machine, callbacks=None, **ex
 
 MACHINE = build_machine()
 EVENTS = MACHINE.events
+
+# The triggers, one name each (``trigger(record, mgr=..., req=..., **data)``): what the manager and
+# ``lifecycle.work`` fire, greppable and followable from every call site.
+offload = EVENTS["offload"].trigger
+enqueued = EVENTS["enqueued"].trigger
+host_short = EVENTS["host_short"].trigger
+landed = EVENTS["landed"].trigger
+finish = EVENTS["finish"].trigger
+release = EVENTS["release"].trigger
+readmit = EVENTS["readmit"].trigger
+TRIGGERS = ("offload", "enqueued", "host_short", "landed", "finish", "release", "readmit")
+# the events whose guards a call evaluates once (``choose``) before it plans, then ``apply``s
+FINISH, RELEASE, READMIT = EVENTS["finish"], EVENTS["release"], EVENTS["readmit"]

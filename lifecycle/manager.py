@@ -1,32 +1,34 @@
 """``DecodeOffloadManager``: the scheduler-facing lifecycle of a decode node's KV cache.
 
 A drop-in for SGLang 0.5.19's ``DecodeKVCacheOffloadManager``. The scheduler calls it; it decides
-and records; the ``Offloader`` it was given moves the bytes. Every scheduler call reads and checks
-the request once (``lifecycle.requests``), plans its whole effect (a chunk, a ``ReleasePlan``) and
-asks the declared table (``lifecycle.states.decide``) whether the trigger is allowed — all before
-the first side effect; then the module-level machine (``lifecycle.machine``) applies it, running
-the work of ``lifecycle.work``. Completions are settled by ``lifecycle.settle``; read-only views
-live in ``lifecycle.integrity``. The per-step fast path fires nothing.
+and records; the ``Offloader`` it was given moves the bytes. Each call is read -> plan -> fire ->
+ledger -> offloader / sink -> emit: it reads and checks the request once (``lifecycle.requests``),
+asks the declared table once whether its trigger is allowed (``machine.FINISH.choose(facts)``: the
+guards evaluated once, a refusal explained by that same evaluation), plans its whole effect (a
+chunk, a ``ReleasePlan``) — all before the first side effect — and then applies the chosen
+transition (``apply``), whose work (``lifecycle.work``) hands the plan to the offloader or the
+release sink. Every datum of the bookkeeping is owned by one ``lifecycle.ledger.Ledger`` and
+changed only through its methods; completions are settled one by one by ``lifecycle.settle``,
+which hands back what moved, and the manager moves the requests on (nothing calls back up into
+it). The per-step fast path fires nothing.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from logging import DEBUG
-from collections import deque
 
 import msgspec
 
-from lifecycle import config, integrity, settle, table
+from lifecycle import audit, config, machine, settle, table
 from lifecycle.calls import BUSY, CLOSED, CallGate, shutdown
+from lifecycle.errors import LifecycleError, UnknownCompletion
+from lifecycle.ledger import Ledger, Pending
 from lifecycle.log import RateLimitedLog, get_logger
-from lifecycle.machine import EVENTS
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release, slot_end
-from lifecycle.slots import SlotsInFlight
 from lifecycle.requests import check_shape, initial_progress, namespace_of, plan_chunk, read_request
-from lifecycle.states import Facts, Refusal, State, decide
+from lifecycle.states import Facts, Refusal, State
 
 _PREFILLED, _INFLIGHT, _FINISHED = State.PREFILLED, State.INFLIGHT, State.FINISHED
 
@@ -83,32 +85,11 @@ class DecodeOffloadManager(CallGate):
         self._logs: list = []  # audit events of the current call, emitted when it ends
         self._alerts = RateLimitedLog(self._log, demote=True)  # per-op warnings: bounded lines, all at DEBUG
         self._owners = table.OWNERS
-        self._records: dict[int, Record] = {}
-        self._dropped: deque = deque()
-        self._on_drop = table.drop_callback(self._dropped, self._owners)  # every record's ref callback
-        self._ongoing: dict = {}
-        self._storage_ops: dict = {}
-        self._landed: set[int] = set()   # reported by the offloader, not yet settled
-        self._stored: set[int] = set()
-        self._failed: set[int] = set()   # landed acks whose copy failed (never stored)
-        self._expired: dict = {}  # copies past their deadline, maybe still reading (Quarantine)
-        self._reading = SlotsInFlight()  # per device slot: copies (expired ones too) still reading it
+        self._ledger = Ledger(self._owners, self._log)  # every datum of the bookkeeping, one owner
         self._poll_expired = getattr(offloader, "expired_writes", None)
         self._poll_failed = getattr(offloader, "failed_writes", None)
         self._store_parent = getattr(offloader, "stores_parent_hash", False) is True  # KV events' parent link
-        self._ack_ids = itertools.count(1)
-        self._by_name = dict.fromkeys(State.__members__, 0)
-        self._released = self._leaked = self._host_short = 0
-        self._chunks = self._pages = self._chunks_landed = self._storage_finished = 0
-        self._copies_expired = self._copy_failures = 0
-        self._by_event: dict[str, int] = {}  # state changes by trigger (work.record_transition)
-        self._refusals: dict[str, int] = {}  # refused calls by "TRIGGER in STATE" (calls._count_refusal)
-        self._abandoned = 0  # copies + storage ops a forced shutdown's bound cut off
         self._slot_end = slot_end(offloader, token_to_kv_pool_allocator)  # device pool's slots (None: unknown)
-        self._release_checks: deque = deque()  # ReleaseCheck of released device rows, read by progress checks
-        self._bad_release_rows = 0
-        self._host_short_warned_at, self._host_short_since_warning = None, 0
-        self._fire = {name: event.trigger for name, event in EVENTS.items()}
         table.OFFLOADERS.claim(offloader, self)
 
     @classmethod
@@ -138,7 +119,7 @@ class DecodeOffloadManager(CallGate):
         """
         if self._gate is not None:
             self._refuse_gate()
-        rec = self._records.get(id(req))
+        rec = self._ledger.records.get(id(req))
         if rec is None or rec.ref() is not req:
             return self._offload_first(req)
         state = rec.state
@@ -178,11 +159,12 @@ class DecodeOffloadManager(CallGate):
         self._gate = BUSY
         self._debug = self._log.is_enabled_for(DEBUG)
         try:
-            if self._dropped:
-                table.drain_dropped(self)
-            if self._release_checks:  # released device rows: their device-side checks, once landed
+            ledger = self._ledger
+            if ledger.dropped:
+                self._drain_dropped()
+            if ledger.release_checks:  # released device rows: their device-side checks, once landed
                 settle.release_checks(self)
-            settle.progress(self)
+            self._progress()
         finally:
             self._leave()
 
@@ -196,22 +178,25 @@ class DecodeOffloadManager(CallGate):
         """
         self._enter()
         try:
-            rec = table.lookup(self, req)
+            rec = self._ledger.lookup(req)
             fresh = rec is None
+            facts = Facts(_PREFILLED) if fresh else Facts(rec.state, rec.inflight, finalizing=True)
             if not fresh:
-                facts = Facts(rec.state, rec.inflight, finalizing=True)
-                verdict = decide("finish", facts)
-                if isinstance(verdict, Refusal):
-                    self._raise(rec.rid, "finish", rec.state.name, verdict.explain(facts))
+                finish = machine.FINISH.choose(facts)  # the table, read once for this call
+                if isinstance(finish, Refusal):
+                    self._raise(rec.rid, "finish", rec.state.name, finish.explain(facts))
             view = read_request(self, req, rec)
             if fresh:
-                rec = table.new_record(self, req, view, initial_progress(self, req))
-            plan = None if rec.inflight else self._plan_release(rec, req, view)
+                rec = self._ledger.new_record(req, view, initial_progress(self, req))
+                finish = machine.FINISH.choose(facts._replace(finalizing=True))
+            # released now unless copies are in flight (then when the last one lands): the table says
+            release = machine.RELEASE.choose(Facts(_FINISHED, rec.inflight, finalizing=True))
+            plan = None if isinstance(release, Refusal) else self._plan_release(rec, req, view)
             if fresh:
-                table.insert(self, rec, req)
-            self._fire["finish"](rec, mgr=self, req=req, finalizing=True)
+                self._insert(rec, req)
+            machine.FINISH.apply(rec, finish, mgr=self, req=req, finalizing=True)
             if plan is not None:
-                self._fire["release"](rec, mgr=self, req=req, plan=plan)
+                machine.RELEASE.apply(rec, release, mgr=self, req=req, plan=plan)
         finally:
             self._leave()
 
@@ -227,12 +212,12 @@ class DecodeOffloadManager(CallGate):
         """
         self._enter()
         try:
-            rec = table.lookup(self, req)
+            rec = self._ledger.lookup(req)
             if rec is None:
                 view = read_request(self, req)
                 if not req.finished():
                     self._raise(req.rid, "release", "UNSEEN", "the request is neither finished nor finalized")
-                rec = table.new_record(self, req, view, initial_progress(self, req))
+                rec = self._ledger.new_record(req, view, initial_progress(self, req))
                 self._release(rec, req, view, fresh=True)
             else:
                 self._release(rec, req)
@@ -248,16 +233,16 @@ class DecodeOffloadManager(CallGate):
         """
         self._enter()
         try:
-            rec = table.lookup(self, req)
+            rec = self._ledger.lookup(req)
             if rec is None:
                 self._raise(getattr(req, "rid", None), "readmit", "UNSEEN", "the request was never seen")
             facts = Facts(rec.state, rec.inflight)
-            verdict = decide("readmit", facts)
-            if isinstance(verdict, Refusal):
-                self._raise(rec.rid, "readmit", rec.state.name, verdict.explain(facts))
+            readmit = machine.READMIT.choose(facts)
+            if isinstance(readmit, Refusal):
+                self._raise(rec.rid, "readmit", rec.state.name, readmit.explain(facts))
             view = read_request(self, req)
             progress = initial_progress(self, req)
-            self._fire["readmit"](rec, mgr=self, req=req, view=view, progress=progress)
+            machine.READMIT.apply(rec, readmit, mgr=self, req=req, view=view, progress=progress)
             self._owners.claim(req, self, rec.ref)
         finally:
             self._leave()
@@ -266,15 +251,14 @@ class DecodeOffloadManager(CallGate):
 
     def state_of(self, req) -> State | None:
         """The request's state, or None for a request this manager has never seen."""
-        rec = table.lookup(self, req)
+        rec = self._ledger.lookup(req)
         return None if rec is None else rec.state
 
     def copies_of(self, req) -> list[int]:
-        """Ack ids of the request's copies in flight (issue order); [] for an unseen request."""
-        rec = table.lookup(self, req)
-        if rec is None or not rec.inflight:
-            return []
-        return [ack for ack, chunk in self._ongoing.items() if chunk.rec is rec]
+        """Ack ids of the request's copies in flight (issue order; one reported landed is not); [] for
+        an unseen request."""
+        rec = self._ledger.lookup(req)
+        return [] if rec is None else self._ledger.copies_of(rec)
 
     def disown_expired_copies(self, acks) -> int:
         """The device slots these expired copies may still read were freed by their owner (SGLang
@@ -286,14 +270,7 @@ class DecodeOffloadManager(CallGate):
         Returns:
             How many copies were disowned.
         """
-        n = 0
-        for ack in acks:
-            q = self._expired.get(ack)
-            if q is not None and not q.disowned:
-                q.released, q.disowned = False, True
-                self._reading.remove(ack)
-                n += 1
-        return n
+        return self._ledger.disown(acks)
 
     def namespace_of(self, req) -> str | None:
         """The namespace seed this manager names ``req``'s pages under (the prior of its chain's
@@ -311,23 +288,23 @@ class DecodeOffloadManager(CallGate):
 
     def progress_of(self, req) -> OffloadedState | None:
         """A copy of the request's offload progress (``inc_len``, ``last_hash``), or None."""
-        rec = table.lookup(self, req)
+        rec = self._ledger.lookup(req)
         return None if rec is None else msgspec.structs.replace(rec.offload)
 
     def stats(self) -> Stats:
-        """Counters (``lifecycle.integrity.stats``). ``unsettled`` counts completions reported but
+        """Counters (``lifecycle.ledger.Ledger.stats``). ``unsettled`` counts completions reported but
         not settled: non-zero after a call means ``check_offload_progress`` is due."""
         if self._gate is None:
-            table.drain_dropped(self)
-        return integrity.stats(self)
+            self._drain_dropped()
+        return self._ledger.stats()
 
     def refusals(self) -> dict[str, int]:
         """Calls refused with ``InvalidTransition`` so far, by ``"TRIGGER in STATE"`` (kept apart
         from ``stats()``, which a refused call leaves as it was)."""
-        return dict(self._refusals)
+        return dict(self._ledger.refusals)
 
-    def pending(self) -> integrity.Pending:
-        """What the manager waits on (``lifecycle.integrity.Pending``): the idle check. It collects
+    def pending(self) -> Pending:
+        """What the manager waits on (``lifecycle.ledger.Pending``): the idle check. It collects
         what the offloader has reported (settling nothing), so ``finished_waiting_on_settled``
         names finished requests that hold slots only because ``check_offload_progress`` was not
         called since their copies landed.
@@ -338,7 +315,7 @@ class DecodeOffloadManager(CallGate):
         self._enter()
         try:
             settle.collect(self)
-            return integrity.pending(self)
+            return self._ledger.pending()
         finally:
             self._leave()
 
@@ -349,17 +326,17 @@ class DecodeOffloadManager(CallGate):
 
     def idle(self) -> bool:
         """True when no copy and no storage op is in flight and nothing awaits settling."""
-        return not (self._ongoing or self._storage_ops or self._landed or self._stored or self._expired)
+        return self._ledger.idle()
 
     def snapshot(self) -> bytes:
         """All live records, msgpack-encoded (``RecordView`` list), for debugging."""
-        return integrity.snapshot(self)
+        return self._ledger.snapshot()
 
     def check_integrity(self) -> None:
-        """Verify the tables agree (``lifecycle.integrity.check_integrity``). Raises IntegrityError."""
-        integrity.check_integrity(self)
+        """Verify the tables agree (``lifecycle.ledger.Ledger.check``). Raises IntegrityError."""
+        self._ledger.check()
 
-    def shutdown(self, force: bool = False, timeout_s: float = 5.0) -> integrity.Pending:
+    def shutdown(self, force: bool = False, timeout_s: float = 5.0) -> Pending:
         """Stop accepting calls and release the offloader's resources, in bounded time: the whole
         call returns within about ``timeout_s`` (one deadline, set on entry, for the drain and the
         offloader's close together).
@@ -397,13 +374,13 @@ class DecodeOffloadManager(CallGate):
             if row is None or row == -1 or len(req.output_ids) == 0:
                 return False
             view = read_request(self, req, shaped=True)
-            rec = table.new_record(self, req, view, initial_progress(self, req))
+            rec = self._ledger.new_record(req, view, initial_progress(self, req))
             n = self._due(rec, req)
             chunk = plan_chunk(self, rec, req, view, n) if n else None
-            table.insert(self, rec, req)
+            self._insert(rec, req)
             if chunk is None:
                 return False
-            self._fire["offload"](rec, mgr=self, req=req, chunk=chunk)
+            machine.offload(rec, mgr=self, req=req, chunk=chunk)
             return rec.offload.inc_len != 0
         finally:
             self._leave()
@@ -415,7 +392,7 @@ class DecodeOffloadManager(CallGate):
             view = read_request(self, req, rec)
             chunk = plan_chunk(self, rec, req, view, n)
             before = rec.offload.inc_len
-            self._fire["offload"](rec, mgr=self, req=req, chunk=chunk)
+            machine.offload(rec, mgr=self, req=req, chunk=chunk)
             return rec.offload.inc_len != before
         finally:
             self._leave()
@@ -427,7 +404,7 @@ class DecodeOffloadManager(CallGate):
         return max(new - new % self.offload_stride, 0) if n_out else 0
 
     def _plan_release(self, rec: Record, req, view):
-        held = [self._expired[a].slots for a in rec.expired or () if a in self._expired]
+        held = self._ledger.quarantined_of(rec)
         quarantined = None
         if held:
             import torch
@@ -438,20 +415,86 @@ class DecodeOffloadManager(CallGate):
     def _release(self, rec: Record, req, view=None, fresh: bool = False) -> None:
         """Decide, plan and apply a release (inside a call). Refused: nothing changed."""
         facts = Facts(rec.state, rec.inflight, finished=bool(req.finished()))
-        finish = rec.state is _PREFILLED or rec.state is _INFLIGHT
-        verdict = decide("finish", facts) if finish else decide("release", facts)
-        if finish and not isinstance(verdict, Refusal):
-            verdict = decide("release", facts._replace(state=_FINISHED))
+        finish = None
+        if rec.state is _PREFILLED or rec.state is _INFLIGHT:  # finished first, then released
+            finish = verdict = machine.FINISH.choose(facts)
+            if not isinstance(finish, Refusal):
+                verdict = machine.RELEASE.choose(facts._replace(state=_FINISHED))
+        else:
+            verdict = machine.RELEASE.choose(facts)
         if isinstance(verdict, Refusal):
             self._raise(rec.rid, "release", "UNSEEN" if fresh else rec.state.name, verdict.explain(facts))
         if view is None:
             view = read_request(self, req, rec)
         plan = self._plan_release(rec, req, view)
         if fresh:
-            table.insert(self, rec, req)
-        if finish:
-            self._fire["finish"](rec, mgr=self, req=req, finished=True)
-        self._fire["release"](rec, mgr=self, req=req, plan=plan)
+            self._insert(rec, req)
+        if finish is not None:
+            machine.FINISH.apply(rec, finish, mgr=self, req=req, finished=True)
+        machine.RELEASE.apply(rec, verdict, mgr=self, req=req, plan=plan)
+
+    # --- the record table and completions (bookkeeping in the ledger, work in settle) -------------
+
+    def _insert(self, rec: Record, req) -> None:
+        """Start tracking ``rec`` and claim ``req`` (a dropped request's record under the same id is
+        retired, and reported when it leaked)."""
+        leaked = self._ledger.insert(rec, req)
+        if leaked is not None:
+            self._emit(leaked.log.warning, audit.LEAKED, state=leaked.state.name, slots=leaked.slots)
+        self._owners.claim(req, self, rec.ref)
+
+    def _drain_dropped(self) -> None:
+        """Retire the records of requests the scheduler dropped; report those that leaked."""
+        for rec in self._ledger.drain_dropped():
+            self._emit(rec.log.warning, audit.LEAKED, state=rec.state.name, slots=rec.slots)
+
+    def _progress(self) -> None:
+        """Settle every completion reported (with a TP group: the prefix all ranks agree on), in
+        order: expired copies, expired copies that ended, landed copies (issue order: a chain's
+        chunks reach storage in order), finished storage ops; a request whose last copy ended moves
+        on (``_copies_ended``).
+
+        Raises:
+            UnknownCompletion: the offloader reported an id never issued (after settling the rest).
+            LifecycleError: the release of a finished request whose last copy landed was refused
+                (after settling the rest; the request stays FINISHED for a retry).
+        """
+        refused = []
+        if self._poll_expired is not None:
+            for ack in self._poll_expired():
+                chunk = settle.expired(self, ack)
+                if chunk is not None and not chunk.rec.inflight:
+                    self._copies_ended(chunk.rec, chunk.req, refused)
+        settle.collect(self)
+        due = self._ledger.settleable(settle.agreement(self.tp_group))
+        for q in due.ended:
+            settle.expired_ended(self, q)
+        for ack in due.acks:
+            chunk = settle.landed(self, ack)
+            if not chunk.rec.inflight:
+                self._copies_ended(chunk.rec, chunk.req, refused)
+        if due.ops:
+            settle.stored(self, due.ops)
+        if due.unknown:
+            raise UnknownCompletion(f"offloader reported ids never issued or already settled: {due.unknown}")
+        if refused:
+            raise refused[0]
+
+    def _copies_ended(self, rec: Record, req, refused: list) -> None:
+        """No copy of ``rec`` is in flight any more: INFLIGHT returns to PREFILLED (``landed``); a
+        finished request is released. A refused release is logged and kept in ``refused`` (the
+        request then stays FINISHED until ``_release_finished_req``)."""
+        if rec.state is _INFLIGHT:
+            machine.landed(rec, mgr=self, req=req)
+            if not req.finished():
+                return
+        elif rec.state is not _FINISHED:
+            return
+        try:
+            self._release(rec, req)
+        except LifecycleError as err:
+            self._emit(rec.log.error, audit.REFUSED, trigger="release", state=rec.state.name, reason=str(err))
+            refused.append(err)
 
     def __deepcopy__(self, memo) -> "DecodeOffloadManager":
         """An independent copy, requests included (``lifecycle.table.deep_copy``): the model check

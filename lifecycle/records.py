@@ -36,6 +36,7 @@ class Record(msgspec.Struct, gc=False):
     slots: int = 0
     generation: int = 0
     expired: tuple | None = None  # ack ids of this request's expired copies still quarantined
+    serial: int = 0  # this lifecycle's number in the ledger (a readmit starts a new one): ``PageNames``
 
     # A record is also the ``lifecycle.states.Facts`` of a trigger that carries no call facts.
     finished = False

@@ -239,7 +239,8 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
     indices, ids = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
     if ids is not None:
-        check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", indices=indices)
+        check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", indices=indices, names=names,
+                    serial=rec.serial)
     else:  # on the device, no host read: a chunk that fails is a failed copy, never stored
         check_device_chunk(mgr, indices)
     # the page before the chunk: none before the chain's first page (its prior, the namespace

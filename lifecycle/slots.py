@@ -130,6 +130,49 @@ class SlotsInFlight:
         return int(self._n.sum())
 
 
+class PageNames:
+    """Under which page name each device page (a manager page, keyed by its first slot id //
+    ``page_size``) was offloaded, and by which lifecycle (its record's ``serial``): a chunk whose
+    row lists, at one of its pages, a device page that another live request holds under a
+    different name would store that request's KV under this one's name, and is refused
+    (``check_slots``). The same name in both (a prefix page shared through SGLang's radix cache)
+    is allowed. Host rows only (a device row's ids are never read on the host).
+
+    Entries are set when a chunk is committed (``add``) and overwritten by the page's next holder;
+    an entry of a lifecycle that is no longer live (not in the ledger's ``holders``: released,
+    dropped, readmitted) is ignored, so a release clears nothing. Two flat dicts (no object per
+    entry): bounded by the device pool's pages.
+    """
+
+    __slots__ = ("owner", "name", "planned")
+
+    def __init__(self) -> None:
+        self.owner: dict[int, int] = {}  # device page -> serial of the lifecycle that offloaded it
+        self.name: dict[int, str] = {}   # device page -> its page name there
+        self.planned = None  # (indices, keys, serial, names) of the chunk just checked
+
+    def conflict(self, keys, serial: int, names, holders: dict):
+        """The first chunk page whose device page another live request holds under another name:
+        ``(i, holder record)``, or None."""
+        owner = self.owner
+        for i, key in enumerate(keys):
+            held = owner.get(key)
+            if held is not None and held != serial and held in holders and self.name[key] != names[i]:
+                return i, holders[held]
+        return None
+
+    def add(self, indices) -> None:
+        """The chunk checked last (its ``indices``) was committed: its pages are held under its names."""
+        p, self.planned = self.planned, None
+        if p is None or p[0] is not indices:
+            return
+        _, keys, serial, names = p
+        owner, name = self.owner, self.name
+        for key, n in zip(keys, names):
+            owner[key] = serial
+            name[key] = n
+
+
 class DeviceReads:
     """``SlotsInFlight`` for slot ids that live on a device: per page of the device pool, how many
     copies in flight (expired ones included, until they end) read it, as an int32 tensor on that
@@ -213,7 +256,7 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
     without reading them (``transfer.gather.check_chunk_on_device``). A chunk that fails has its
     ids set to -1 in place, on the device: its copy then fails (whole aligned pages inside the pool
     is the copy's check) and nothing of it is stored. The chunk's pages are left in
-    ``mgr._reading.device.planned`` for the chunk's commit (``SlotsInFlight.add``).
+    ``mgr._ledger.reading.device.planned`` for the chunk's commit (``SlotsInFlight.add``).
 
     Without the pool's slot count (``mgr._slot_end`` None) only the pages' distinctness is checked.
     """
@@ -222,7 +265,7 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
         bad, _ = check_chunk_on_device(indices, ps, None)
         indices.masked_fill_(bad, -1)
         return
-    reading = mgr._reading
+    reading = mgr._ledger.reading
     dev = reading.device
     if dev is None:
         dev = reading.device = DeviceReads(indices, ps, end)
@@ -232,24 +275,28 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
     dev.plan(indices, bad, pages)
 
 
-def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None):
+def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None,
+                names=None, serial: int = 0):
     """Check the slot ids ``a`` (int64, row order) a plan will ``verb``; return them sorted and distinct.
 
     Args:
-        mgr: the manager (its ``_reading`` counts, copies in flight, allocator).
+        mgr: the manager (its ledger's ``reading`` counts and copies in flight, its allocator).
         rid, row, ranges: the request, its row and the token ranges ``a`` comes from (for messages).
         verb: ``"offload"`` or ``"free"``.
         quarantined: numpy ids this request's own expired copies may still read (a release leaves
             them out instead of refusing); None for none.
         indices: the chunk plan's slot tensor: the allocator is asked too (``check_free``; a
-            release asks its sink instead) and the checked ids are left in ``mgr._reading.planned``
+            release asks its sink instead) and the checked ids are left in ``mgr._ledger.reading.planned``
             for the chunk's commit.
+        names, serial: the chunk plan's page names and its record's ``serial``: a device page
+            another live request holds under another name is refused (``PageNames``).
     Returns:
         ``(ids, left_out)``: the sorted distinct ids (``a`` itself when it ascends), minus
         ``quarantined``, and how many were left out for it.
     Raises:
         InvalidSlots: a negative id, a repeated id, an id a copy in flight reads, or (chunk plan)
-            an id the allocator does not hold or has never had.
+            an id the allocator does not hold or has never had, or a device page another live
+            request holds under another page name.
     """
     n = a.shape[0]
     if n == 0:
@@ -276,7 +323,7 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             return s, left_out
         lo, hi = int(s[0]), int(s[-1])
     run = hi - lo + 1 == s.shape[0]
-    busy = mgr._reading.read(s, lo, hi, run)
+    busy = mgr._ledger.reading.read(s, lo, hi, run)
     if busy is not None:
         slot = int(busy[0])
         raise InvalidSlots(f"request {rid!r}: row {row} lists slot {slot} at a position to {verb} {_span(ranges)}, "
@@ -295,7 +342,20 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             except Exception as err:
                 raise InvalidSlots(f"request {rid!r}: row {row} lists slots the allocator does not hold at positions "
                                    f"to {verb} {_span(ranges)}: {err}") from err
-        mgr._reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
+        ledger = mgr._ledger
+        if names is not None:
+            ps = mgr.page_size  # each chunk page's device page: its first slot's
+            keys = range(lo // ps, hi // ps + 1) if run and not lo % ps else (a[::ps] // ps).tolist()
+            hit = ledger.names.conflict(keys, serial, names, ledger.holders)
+            if hit is not None:
+                i, holder = hit
+                raise InvalidSlots(
+                    f"request {rid!r}: row {row} lists slot {int(a[i * mgr.page_size])} at a position to {verb} "
+                    f"{_span(ranges)}, on a device page request {holder.rid!r} holds under another page name "
+                    f"({ledger.names.name[keys[i]]} there, {names[i]} here): its KV would be stored "
+                    f"under this request's name")
+            ledger.names.planned = (indices, keys, serial, names)
+        ledger.reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
     return s, left_out
 
 
@@ -311,12 +371,5 @@ def _span(ranges) -> str:
 
 
 def _reader(mgr, slot: int) -> str:
-    """Who reads ``slot``: the copy in flight or the expired copy (rare path: a refusal)."""
-    ack = mgr._reading.reader(slot)
-    chunk = mgr._ongoing.get(ack)
-    if chunk is not None:
-        return f"a copy in flight of request {chunk.rec.rid!r} (ack {ack}, tokens [{chunk.start}, {chunk.end}))"
-    q = mgr._expired.get(ack)
-    if q is not None:
-        return f"an expired copy of request {q.rid!r} (ack {ack}, slots quarantined)"
-    return "a copy in flight"
+    """Who reads ``slot`` (rare path: a refusal)."""
+    return mgr._ledger.reader_of(slot)

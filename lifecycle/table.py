@@ -1,5 +1,7 @@
-"""The manager's record table (one ``Record`` per live request, keyed by identity, held weakly) and
-the ownership registries that stop two managers from driving one request or one offloader."""
+"""The ownership registries that stop two managers from driving one request or one offloader, the
+records' weak-reference callback, and the model checker's deep copy of a manager. The record table
+itself (one ``Record`` per live request, keyed by identity, held weakly) is the ledger's
+(``lifecycle.ledger``)."""
 
 from __future__ import annotations
 
@@ -9,19 +11,10 @@ from collections import deque
 
 import msgspec
 
-from lifecycle import audit
 from lifecycle.errors import ConfigError, InvalidRequest
-from lifecycle.records import Record
 from lifecycle.states import State
 
 _RELEASED = State.RELEASED
-
-
-def lookup(mgr, req) -> Record | None:
-    """The live record of ``req`` (None when this manager never saw it, or saw a dropped object
-    whose id was reused)."""
-    rec = mgr._records.get(id(req))
-    return rec if rec is not None and rec.ref() is req else None
 
 
 def drop_callback(dropped: deque, owners: "Owners"):
@@ -35,43 +28,6 @@ def drop_callback(dropped: deque, owners: "Owners"):
         forget(ref)
 
     return dropped_request
-
-
-def new_record(mgr, req, view, progress) -> Record:
-    """A PREFILLED record for a request read by ``read_request``; not yet inserted."""
-    ref = weakref.KeyedRef(req, mgr._on_drop, id(req))
-    row, _, allocated = view
-    return Record(ref, req.rid, row, State.PREFILLED, progress,
-                  mgr._log, slots=allocated)
-
-
-def insert(mgr, rec: Record, req) -> None:
-    """Start tracking ``rec`` (replacing a record of a dropped request with the same id)."""
-    old = mgr._records.get(id(req))
-    if old is not None:
-        retire(mgr, old)
-    mgr._records[id(req)] = rec
-    mgr._by_name["PREFILLED"] += 1
-    mgr._owners.claim(req, mgr, rec.ref)
-
-
-def drain_dropped(mgr) -> None:
-    """Retire the records of requests the scheduler dropped."""
-    dropped = mgr._dropped
-    while dropped:
-        ref = dropped.popleft()
-        rec = mgr._records.get(ref.key)
-        if rec is not None and rec.ref is ref:
-            retire(mgr, rec)
-
-
-def retire(mgr, rec: Record) -> None:
-    """Forget a record whose request was dropped; report a leak unless it was released."""
-    del mgr._records[rec.ref.key]
-    mgr._by_name[rec.state.name] -= 1
-    if rec.state is not _RELEASED:
-        mgr._leaked += 1
-        mgr._emit(rec.log.warning, audit.LEAKED, state=rec.state.name, slots=rec.slots)
 
 
 class Claim(msgspec.Struct, gc=False):
@@ -106,7 +62,7 @@ class Owners:
         owner = self.owner(req)
         if owner is None or owner is mgr:
             return
-        rec = lookup(owner, req)
+        rec = owner._ledger.lookup(req)
         if rec is not None and rec.state is not _RELEASED:
             raise InvalidRequest(f"request {req.rid!r} belongs to another manager (state {rec.state.name} there)")
 
@@ -164,33 +120,42 @@ def deep_copy(mgr, memo):
 
     Records are re-keyed to the copied requests (they are keyed by identity, weakly), so a copy
     can be driven on its own: used to explore what-if orderings (the bounded model check).
-    The logger (and its rate limiter), clock, TP group, machine and ownership registry are shared.
+    The logger (and its rate limiter), clock, TP group and ownership registry are shared.
     """
     new = object.__new__(type(mgr))
     memo[id(mgr)] = new
-    shared = {"_log", "_alerts", "_clock", "tp_group", "_fire", "_owners"}  # _on_drop: made for the copy below
+    shared = {"_log", "_alerts", "_clock", "tp_group", "_owners"}  # the ledger: copied below
     for key in shared:
         new.__dict__[key] = mgr.__dict__[key]
-    new._dropped = deque()
-    new._on_drop = drop_callback(new._dropped, OWNERS)
-    new._records = {}
-    for rec in list(mgr._records.values()):
+    old = mgr._ledger
+    ledger = object.__new__(type(old))
+    memo[id(old)] = ledger
+    ledger.dropped = deque()
+    ledger.on_drop = drop_callback(ledger.dropped, OWNERS)
+    ledger.records = {}
+    for rec in list(old.records.values()):
         req = rec.ref()
         if req is None:
             continue
         twin = copy.deepcopy(req, memo)
         clone = msgspec.structs.replace(
-            rec, ref=weakref.KeyedRef(twin, new._on_drop, id(twin)),
+            rec, ref=weakref.KeyedRef(twin, ledger.on_drop, id(twin)),
             offload=msgspec.structs.replace(rec.offload),
         )
         memo[id(rec)] = clone
-        new._records[id(twin)] = clone
+        ledger.records[id(twin)] = clone
+    ledger.logger = old.logger
+    ledger.holders = {serial: memo[id(rec)] for serial, rec in old.holders.items() if id(rec) in memo}
+    for key, value in old.__dict__.items():
+        if key not in ("records", "dropped", "on_drop", "logger", "holders"):
+            ledger.__dict__[key] = copy.deepcopy(value, memo)
+    new._ledger = ledger
     for key, value in mgr.__dict__.items():
-        if key not in shared and key not in ("_records", "_dropped", "_on_drop"):
+        if key not in shared and key != "_ledger":
             new.__dict__[key] = copy.deepcopy(value, memo)
     if not new.closed:
         OFFLOADERS.claim(new.offloader, new)  # the copy owns the copied offloader
-    for rec in new._records.values():
+    for rec in ledger.records.values():
         req = rec.ref()
         if req is not None and rec.state is not _RELEASED:
             OWNERS.claim(req, new, rec.ref)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from logging import DEBUG
 
-from lifecycle import audit, settle
+from lifecycle import audit, machine, settle
 
 
 def enqueue_chunk(fire) -> None:
@@ -23,30 +23,24 @@ def enqueue_chunk(fire) -> None:
     """
     mgr, kw, rec = fire.kwargs["mgr"], fire.kwargs, fire.model
     chunk = kw["chunk"]
-    ack = next(mgr._ack_ids)
+    ack = mgr._ledger.next_ack()
     try:
         host = mgr.offloader.write(chunk.indices, ack)
     except BaseException as err:
-        mgr._fire["host_short"](rec, mgr=mgr, req=kw["req"], start=chunk.start, end=chunk.end, error=err)
+        machine.host_short(rec, mgr=mgr, req=kw["req"], start=chunk.start, end=chunk.end, error=err)
         raise
     if host is None:
-        mgr._fire["host_short"](rec, mgr=mgr, req=kw["req"], start=chunk.start, end=chunk.end)
+        machine.host_short(rec, mgr=mgr, req=kw["req"], start=chunk.start, end=chunk.end)
         return
     chunk.ack_id, chunk.host, chunk.enqueued_at = ack, host, mgr._clock()
-    mgr._fire["enqueued"](rec, mgr=mgr, req=kw["req"], chunk=chunk)
+    machine.enqueued(rec, mgr=mgr, req=kw["req"], chunk=chunk)
 
 
 def commit_chunk(fire) -> None:
     """Before ``enqueued``: record the chunk in flight (its slots counted as read) and advance
     ``inc_len`` and ``last_hash``."""
     mgr, rec, chunk = fire.kwargs["mgr"], fire.model, fire.kwargs["chunk"]
-    mgr._ongoing[chunk.ack_id] = chunk
-    mgr._reading.add(chunk.ack_id, chunk.indices)
-    rec.inflight += 1
-    rec.offload.inc_len += chunk.end - chunk.start
-    rec.offload.last_hash = chunk.page_hashes[-1]
-    mgr._chunks += 1
-    mgr._pages += len(chunk.page_hashes)
+    mgr._ledger.commit(rec, chunk)
     if mgr._debug:
         mgr._emit(
             rec.log.debug, audit.CHUNK_ENQUEUED, ack_id=chunk.ack_id, start=chunk.start, end=chunk.end,
@@ -59,7 +53,6 @@ def count_host_short(fire) -> None:
     mgr, rec, kw = fire.kwargs["mgr"], fire.model, fire.kwargs
     error = kw.get("error")
     if error is None:
-        mgr._host_short += 1
         mgr._note_host_short(rec, kw["start"], kw["end"])
     else:
         mgr._emit(rec.log.error, audit.HOST_SHORT, start=kw["start"], end=kw["end"], error=repr(error))
@@ -73,12 +66,7 @@ def free_memory(fire) -> None:
     freed = mgr.release_sink.free(plan)
     if plan.device_check is not None:  # a device row: its verdict is read by a later progress check
         settle.queue_release_check(mgr, plan.device_check)
-    for ack in rec.expired or ():
-        q = mgr._expired.get(ack)
-        if q is not None and freed is not False and not q.disowned:  # False: the sink freed nothing (another owner frees)
-            q.released = True
-    rec.expired = None
-    mgr._released += 1
+    mgr._ledger.released_rec(rec, freed)  # False: the sink freed nothing (another owner frees the quarantined)
     if mgr._log.is_enabled_for(DEBUG):   # per request: DEBUG, so a server at INFO logs nothing per request
         mgr._emit(rec.log.debug, audit.RELEASED, ranges=list(plan.ranges), slots=sum(e - s for s, e in plan.ranges),
                   committed=plan.committed, allocated=plan.allocated, quarantined=plan.quarantined)
@@ -86,20 +74,14 @@ def free_memory(fire) -> None:
 
 def reset_progress(fire) -> None:
     """After ``readmit``: a new lifecycle on the new row, with fresh offload progress."""
-    mgr, rec, kw = fire.kwargs["mgr"], fire.model, fire.kwargs
-    row, _, allocated = kw["view"]
-    rec.row, rec.offload, rec.slots = row, kw["progress"], allocated
-    rec.generation += 1  # ``rec.log`` binds the new row and generation
+    kw = fire.kwargs
+    kw["mgr"]._ledger.restart(fire.model, kw["view"], kw["progress"])  # ``rec.log`` binds the new row and generation
 
 
 def record_transition(fire) -> None:
     """Machine-wide, before every state change: per-state counters and the audit event."""
     mgr, rec, t = fire.kwargs["mgr"], fire.model, fire.transition
-    by_state = mgr._by_name
-    by_state[t.source] -= 1
-    by_state[t.dest] += 1
-    by_event, name = mgr._by_event, fire.event.name
-    by_event[name] = by_event.get(name, 0) + 1
+    mgr._ledger.transition(t.source, t.dest, fire.event.name)
     if mgr._debug:
         mgr._emit(rec.log.debug, audit.TRANSITION, trigger=fire.event.name, src=t.source, dst=t.dest)
 

@@ -3,7 +3,7 @@ import pytest
 
 from lifecycle import DecodeOffloadManager
 from lifecycle_tools.testkit.doubles import PagedAllocator, ReqToTokenPool
-from transfer import InMemoryOffloader
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 from lifecycle_tools.testkit.redis_server import make_redis_server, redis_session_server, redis_url  # noqa: F401 (fixtures)
 
 

@@ -21,9 +21,7 @@ from transfer.errors import (
 )
 from transfer.host_offloader import HostOffloader, OffloaderStats
 from transfer.host_pool import HostPool
-from transfer.kv_pattern import synthetic_kv
 from transfer.kv_pool import KVPool
-from transfer.memory import InMemoryOffloader, OffloaderMisuse
 from transfer.offloader import Offloader
 from transfer.prefix import PrefixLoad, PrefixLoader
 from transfer.req_pool import ReqToTokenPool
@@ -41,14 +39,12 @@ __all__ = [
     "HostOffloader",
     "HostPagesBusy",
     "HostPool",
-    "InMemoryOffloader",
     "IntegrityError",
     "InvalidFree",
     "KVPool",
     "MemoryStorage",
     "NotAllocated",
     "Offloader",
-    "OffloaderMisuse",
     "OffloaderStats",
     "PageSizeMismatch",
     "PinningFailed",
@@ -67,7 +63,6 @@ __all__ = [
     "build_stack",
     "make_copy_engine",
     "open_storage",
-    "synthetic_kv",
 ]
 
 

@@ -47,15 +47,15 @@ GROUPS: dict[str, dict] = {
                   "tests/transfer/test_*pool*.py", "tests/transfer/test_page_set.py"],
     },
     "transfer.offloader": {
-        "mutate": ["transfer/host_offloader.py", "transfer/offloader.py", "transfer/memory.py",
+        "mutate": ["transfer/host_offloader.py", "transfer/offloader.py", "lifecycle_tools/testkit/memory.py",
                    "transfer/copy_engine.py", "transfer/gather.py", "transfer/worker.py",
-                   "transfer/stack.py", "transfer/shutdown.py", "transfer/kv_pattern.py",
+                   "transfer/stack.py", "transfer/shutdown.py", "lifecycle_tools/testkit/kv_pattern.py",
                    "transfer/errors.py", "transfer/log.py"],
         "tests": ["tests/transfer/test_host_offloader.py", "tests/transfer/test_copy_engine.py",
                   "tests/transfer/test_faults.py", "tests/transfer/test_stack.py",
                   "tests/transfer/test_end_to_end.py", "tests/transfer/test_gather*.py",
                   "tests/transfer/test_worker*.py", "tests/transfer/test_shutdown*.py",
-                  "tests/transfer/test_device_indices.py", "tests/transfer/test_kv_pattern.py",
+                  "tests/transfer/test_device_indices.py", "tests/tools/test_kv_pattern.py",
                   "tests/transfer/test_log.py"],
     },
     "transfer.storage": {

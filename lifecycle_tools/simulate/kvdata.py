@@ -1,10 +1,10 @@
 """The simulator's model stand-in: synthetic KV written to and expected from the pools.
 
-The KV of position ``p`` is ``transfer.synthetic_kv(pool, kv_id[p], p)`` where ``kv_id[p]`` is the
+The KV of position ``p`` is ``lifecycle_tools.testkit.kv_pattern.synthetic_kv(pool, kv_id[p], p)`` where ``kv_id[p]`` is the
 rolling digest of the tokens up to ``p`` (``workload.kv_ids``): a pure function of the prefix, so
 pages shared by two requests hold the same bytes and any page's expected content can be recomputed.
 
-``SyntheticKV.values`` computes exactly those bytes (a test holds it to ``transfer.synthetic_kv``),
+``SyntheticKV.values`` computes exactly those bytes (a test holds it to ``lifecycle_tools.testkit.kv_pattern.synthetic_kv``),
 faster: the per-(kind, layer, byte) part of the hash is computed once per pool, and the rest in
 32-bit integers, since only bits 13..20 of the 32-bit hash reach the output byte (see ``values``).
 Work is done in batches of ``WRITE_BATCH`` tokens so the temporaries stay a few MiB.
@@ -58,7 +58,7 @@ class SyntheticKV:
 
     def values(self, kvids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """KV of the positions (``kvids`` their digests), shaped for ``KVPool.write``: the bytes
-        ``transfer.synthetic_kv(pool, kvids, positions)`` gives.
+        ``lifecycle_tools.testkit.kv_pattern.synthetic_kv(pool, kvids, positions)`` gives.
 
         That pattern's byte is bits 13..20 of ``(t + b) * M mod 2**32`` (``t`` from the token, ``b``
         from kind, layer and byte offset), which equals bits 13..20 of ``(t*M mod 2**21) + (b*M mod

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from transfer import InMemoryOffloader
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 from transfer.errors import DoubleFree, NotAllocated
 
 ROWS, WIDTH = 6, 64

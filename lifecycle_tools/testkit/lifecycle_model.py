@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from lifecycle import ConfigError, DecodeOffloadManager, InvalidTransition, LifecycleError, ReentrantCall, State
-from lifecycle.table import lookup
 from lifecycle_tools.testkit.doubles import ROWS, PagedAllocator, Pools, Req, TrackingOffloader
 
 RUNNING = (None, State.PREFILLED, State.INFLIGHT)
@@ -76,27 +75,27 @@ class World:
         m, off, pools = self.mgr, self.off, self.pools
         memo[id(pools.req_to_token)] = pools.req_to_token.clone()  # rows are poisoned when freed
         tensors = [*off.pending_writes.values(), *(h for h, _ in off.pending_storage.values()),
-                   *(c.host for c in m._ongoing.values()), *(o.host for o in m._storage_ops.values())]
+                   *(c.host for c in m._ledger.ongoing.values()), *(o.host for o in m._ledger.storage_ops.values())]
         for t in tensors:
             memo[id(t)] = t
         for flat in (pools.held_pages, pools.free_rows, off._free_pages, off._held_pages, off._landed,
-                     off._stored_ops, m._landed, m._stored, m._by_name):
+                     off._stored_ops, m._ledger.landed, m._ledger.stored, m._ledger.by_state):
             memo[id(flat)] = flat.copy()
         memo[id(off.reading)] = {k: v.copy() for k, v in off.reading.items()}
         for r in self.reqs:
             memo[id(r.origin_input_ids)] = r.origin_input_ids
             memo[id(r.output_ids)] = r.output_ids.copy()
-        for c in m._ongoing.values():
+        for c in m._ledger.ongoing.values():
             memo[id(c.tokens)], memo[id(c.page_hashes)] = c.tokens, c.page_hashes
         return copy.deepcopy(self, memo)
 
     # --- abstract state (what dedupes interleavings that reach the same situation)
     def _ack_owner(self, ack):
-        chunk = self.mgr._ongoing[ack]
+        chunk = self.mgr._ledger.ongoing[ack]
         return (self.reqs.index(chunk.req), chunk.start)
 
     def _op_owner(self, op):
-        return (self.mgr._storage_ops[op].rid, self.mgr._storage_ops[op].first_hash)
+        return (self.mgr._ledger.storage_ops[op].rid, self.mgr._ledger.storage_ops[op].first_hash)
 
     def key(self):
         reqs = tuple(
@@ -250,9 +249,9 @@ class World:
     def frozen(self):
         m = self.mgr
         records = sorted((k, r.state.name, r.row, r.inflight, r.offload.inc_len, r.offload.last_hash)
-                         for k, r in m._records.items())
-        return (records, dict(m._by_name), m._released, m._leaked, m._chunks, sorted(m._ongoing),
-                sorted(m._storage_ops), set(self.pools.held_pages), list(self.pools.free_rows))
+                         for k, r in m._ledger.records.items())
+        return (records, dict(m._ledger.by_state), m._ledger.released, m._ledger.leaked, m._ledger.chunks, sorted(m._ledger.ongoing),
+                sorted(m._ledger.storage_ops), set(self.pools.held_pages), list(self.pools.free_rows))
 
     def check(self):
         """Invariants after every event; every refused call changes nothing."""
@@ -261,7 +260,7 @@ class World:
             state = self.mgr.state_of(req)
             if req.finished():
                 assert state in (State.INFLIGHT, State.FINISHED, State.RELEASED), (req.rid, state)
-            rec = lookup(self.mgr, req)
+            rec = self.mgr._ledger.lookup(req)
             legal = (state is State.FINISHED or (state in RUNNING and req.finished())) and not (rec and rec.inflight)
             probes = []
             if not legal and state is not None:

@@ -19,7 +19,8 @@ import torch
 from hashing import namespace_seed, page_hashes
 from lifecycle import DecodeOffloadManager
 from lifecycle_tools.testkit.doubles import Req
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 DATA = Path(__file__).parents[1] / "data"
 ASCII = json.loads((DATA / "hash-vectors.json").read_text())

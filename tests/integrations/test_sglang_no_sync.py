@@ -91,7 +91,7 @@ def test_decode_offload_and_release_never_read_device_slots_on_the_scheduler_thr
         mgr.check_offload_progress()  # reads the device-side checks of the releases in the last one
     stats = mgr.stats()
     assert (stats.released, stats.leaked, stats.copy_failures, stats.bad_release_rows) == (2, 0, 0, 0)
-    assert not mgr.manager._release_checks
+    assert not mgr.manager._ledger.release_checks
     assert node.alloc.available_size() == full and node.pool.available_size() == rows
     suffix = hicache_file_suffix(MODEL, 0, 1, mla)
     want = [page for r in reqs for page in expected_pages(node, r, mgr.offload_stride)]
@@ -208,7 +208,7 @@ def test_on_cuda_under_sync_debug_mode_error(store_dir, mla):  # noqa: F811
         torch.cuda.set_sync_debug_mode(0)
     stats = mgr.stats()
     assert (stats.released, stats.copy_failures, stats.bad_release_rows) == (2, 0, 0)
-    assert not mgr.manager._release_checks
+    assert not mgr.manager._ledger.release_checks
     assert node.alloc.available_size() == full
     suffix = hicache_file_suffix(MODEL, 0, 1, mla)
     for r in reqs:
@@ -264,7 +264,7 @@ def test_a_bad_device_release_row_is_reported_at_the_next_progress_check(store_d
             mgr.finalize_release_on_finish(req)
         assert req.kv.req_pool_idx is None and mgr.stats().released == 1  # released, not refused
         assert mgr.stats().bad_release_rows == 0 and _bad_rows(logs) == []  # not read on the release call
-        assert len(mgr.manager._release_checks) == 1
+        assert len(mgr.manager._ledger.release_checks) == 1
         with no_host_sync():
             mgr.check_offload_progress()
     assert mgr.stats().bad_release_rows == 1
@@ -273,7 +273,7 @@ def test_a_bad_device_release_row_is_reported_at_the_next_progress_check(store_d
     assert report["ranges"] == [(0, 6)] and report[corrupt] == 1
     assert {"negative": "negative", "repeated": "more than once", "out_of_range": "past the pool"}[corrupt] \
         in report["problem"]
-    assert not mgr.manager._release_checks  # nothing left pending
+    assert not mgr.manager._ledger.release_checks  # nothing left pending
     with no_host_sync():
         mgr.check_offload_progress()
     assert mgr.stats().bad_release_rows == 1 and len(_bad_rows(logs)) == 1  # reported once
@@ -290,7 +290,7 @@ def test_a_good_device_release_row_reports_nothing(store_dir):  # noqa: F811
             mgr.finalize_release_on_finish(req)
             mgr.check_offload_progress()
     assert mgr.stats().released == 1 and mgr.stats().bad_release_rows == 0
-    assert _bad_rows(logs) == [] and not mgr.manager._release_checks
+    assert _bad_rows(logs) == [] and not mgr.manager._ledger.release_checks
     mgr.release_host_resources()
 
 
@@ -331,11 +331,11 @@ def test_a_verdict_is_read_only_once_its_event_has_fired(store_dir, monkeypatch)
         mgr.finalize_release_on_finish(req)
         mgr.check_offload_progress()
         mgr.check_offload_progress()
-    assert mgr.stats().bad_release_rows == 0 and len(mgr.manager._release_checks) == 1  # kept, unread
+    assert mgr.stats().bad_release_rows == 0 and len(mgr.manager._ledger.release_checks) == 1  # kept, unread
     events[0].fire()
     with no_host_sync():
         mgr.check_offload_progress()
-    assert mgr.stats().bad_release_rows == 1 and not mgr.manager._release_checks
+    assert mgr.stats().bad_release_rows == 1 and not mgr.manager._ledger.release_checks
 
 
 def test_shutdown_does_not_wait_for_a_verdict_that_never_lands(store_dir, monkeypatch):  # noqa: F811
@@ -347,7 +347,7 @@ def test_shutdown_does_not_wait_for_a_verdict_that_never_lands(store_dir, monkey
         mgr.finalize_release_on_finish(req)
     with structlog.testing.capture_logs() as logs:
         mgr.release_host_resources()  # shutdown(force=True): bounded; the unread check dropped
-    assert not mgr.manager._release_checks and mgr.stats().bad_release_rows == 0
+    assert not mgr.manager._ledger.release_checks and mgr.stats().bad_release_rows == 0
     (unread,) = [e for e in logs if e["event"] == "lifecycle.release_checks_unread"]
     assert unread["unread"] == 1 and unread["log_level"] == "warning"
 
@@ -372,8 +372,8 @@ def test_on_cuda_a_bad_release_row_is_reported_without_a_sync(store_dir, corrupt
         try:
             mgr.finalize_release_on_finish(req)
             mgr.check_offload_progress()
-            pending = len(mgr.manager._release_checks)
-            seen = mgr.manager._bad_release_rows
+            pending = len(mgr.manager._ledger.release_checks)
+            seen = mgr.manager._ledger.bad_release_rows
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert (pending, seen, len(freed)) == (1, 0, 1)  # released; the verdict not landed yet: not read
@@ -384,7 +384,7 @@ def test_on_cuda_a_bad_release_row_is_reported_without_a_sync(store_dir, corrupt
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert mgr.stats().bad_release_rows == 1 and len(_bad_rows(logs)) == 1
-    assert not mgr.manager._release_checks
+    assert not mgr.manager._ledger.release_checks
     free_kv_row(*freed[0])
     assert node.alloc.available_size() == full
     mgr.release_host_resources()
@@ -457,7 +457,7 @@ def test_a_device_chunk_the_host_check_would_refuse_is_a_failed_copy_never_store
     stored = 1 if case == "page-another-copy-reads" else 0  # the first chunk's page
     assert mgr.stats().copy_failures == 1 and mgr.offloader.stats().pages_stored == stored
     assert len(os.listdir(store_dir) if os.path.isdir(store_dir) else []) == stored
-    assert int(mgr.manager._reading.device.counts.sum()) == 0  # every count taken back (the spare's too)
+    assert int(mgr.manager._ledger.reading.device.counts.sum()) == 0  # every count taken back (the spare's too)
     mgr.release_host_resources()
 
 
@@ -469,7 +469,7 @@ def test_device_read_counts_follow_chunks_in_flight_and_come_back_to_zero(store_
     row = req.kv.req_pool_idx
     with no_host_sync():
         assert mgr.offload_kv_cache(req)
-    counts = mgr.manager._reading.device.counts
+    counts = mgr.manager._ledger.reading.device.counts
     pages = (node.pool.req_to_token[row, 4:12:4] // node.ps).tolist()
     assert counts[pages].tolist() == [1, 1] and int(counts.sum()) == 2
     with no_host_sync():

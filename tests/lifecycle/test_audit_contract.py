@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 from hashing import page_hashes
 from lifecycle import InvalidTransition, LifecycleError, State, audit
 from tests.support.real_rig import Rig
-from transfer import InMemoryOffloader
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 PS = 4
 

@@ -23,10 +23,10 @@ from transfer import BadIndices, DoubleFree, NotAllocated, PagedTokenAllocator
 def frozen(node):
     m = node.mgr
     records = sorted((k, r.state.name, r.row, r.inflight, r.offload.inc_len, r.offload.last_hash)
-                     for k, r in m._records.items())
-    counters = (dict(m._by_name), m._released, m._leaked, m._host_short, m._chunks, m._chunks_landed,
-                m._copies_expired, m._copy_failures)
-    return (records, counters, sorted(m._ongoing), sorted(m._storage_ops), list(node.alloc.freed_pages),
+                     for k, r in m._ledger.records.items())
+    counters = (dict(m._ledger.by_state), m._ledger.released, m._ledger.leaked, m._ledger.host_short, m._ledger.chunks, m._ledger.chunks_landed,
+                m._ledger.copies_expired, m._ledger.copy_failures)
+    return (records, counters, sorted(m._ledger.ongoing), sorted(m._ledger.storage_ops), list(node.alloc.freed_pages),
             list(node.pool.freed_rows), node.off.host_free_pages(), sorted(node.off.pending_writes))
 
 

@@ -19,7 +19,8 @@ import torch
 
 from lifecycle import DecodeOffloadManager
 from lifecycle_tools.testkit.doubles import Req
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 VECTORS = json.loads((Path(__file__).parents[1] / "data" / "hash-vectors.json").read_text())
 

@@ -27,7 +27,7 @@ def frozen(rig):
     """Everything a refused call must leave as it was."""
     s = rig.mgr.stats()
     return (s, rig.mgr.snapshot(), rig.off.writes, rig.off.host_free_pages(), rig.alloc.available_size(),
-            rig.mgr._reading.total())
+            rig.mgr._ledger.reading.total())
 
 
 def first_sight(rig, rid="a", prompt=8, room=16, outputs=5):
@@ -135,7 +135,7 @@ def test_a_chunk_listing_a_slot_an_expired_copy_may_still_read_is_refused():
         rig.mgr.offload_kv_cache(b)
     rig.off.land([1])
     rig.progress()                                      # the expired copy ended: nothing reads them now
-    assert rig.mgr._reading.total() == 0
+    assert rig.mgr._ledger.reading.total() == 0
 
 
 def test_the_refusal_names_the_copy_that_reads_the_slot_among_copies_whose_spans_overlap():
@@ -172,10 +172,10 @@ def test_once_the_copy_landed_its_slots_are_not_held_any_more():
     rig = Rig(PS)
     req, _ = rig.admit("d", 8, 24)
     rig.decode(req, 4)
-    assert rig.mgr._reading.total() == 4
+    assert rig.mgr._ledger.reading.total() == 4
     rig.off.land()
     rig.progress()
-    assert rig.mgr._reading.total() == 0
+    assert rig.mgr._ledger.reading.total() == 0
     rig.mgr.check_integrity()
 
 
@@ -247,10 +247,10 @@ def test_a_chunk_longer_than_the_byte_compare_path_is_checked_the_same_way(bad):
         assert frozen(rig) == before and rig.mgr.state_of(req) is None
         return
     assert rig.mgr.offload_kv_cache(req) is True
-    assert rig.mgr._reading.total() == 304
+    assert rig.mgr._ledger.reading.total() == 304
     rig.off.land()
     rig.progress()
-    assert rig.mgr._reading.total() == 0
+    assert rig.mgr._ledger.reading.total() == 0
 
 
 def test_slot_counts_stay_exact_when_copies_overlap_outside_the_check():
@@ -290,7 +290,7 @@ def test_a_one_slot_chunk_is_checked_like_any_other():
         rig.mgr.offload_kv_cache(a)
     assert frozen(rig) == before and rig.mgr.state_of(a) is None
     table[a.kv.req_pool_idx, 4] = good
-    assert rig.mgr.offload_kv_cache(a) is True and rig.mgr._reading.total() == 1
+    assert rig.mgr.offload_kv_cache(a) is True and rig.mgr._ledger.reading.total() == 1
     b, _ = rig.admit("b", 4, 8, outputs=(7000, 7001))
     table[b.kv.req_pool_idx, 4] = good                    # the slot a's copy reads
     with pytest.raises(InvalidSlots, match=rf"lists slot {good} .* which a copy in flight of request 'a' \(ack 1"):
@@ -318,10 +318,70 @@ def test_a_two_slot_chunk_is_checked_like_any_other(bad):
         assert frozen(rig) == before and rig.mgr.state_of(req) is None
         return
     table[row, 4], table[row, 5] = second, first          # both still the request's: accepted
-    assert rig.mgr.offload_kv_cache(req) is True and rig.mgr._reading.total() == 2
+    assert rig.mgr.offload_kv_cache(req) is True and rig.mgr._ledger.reading.total() == 2
     other, _ = rig.admit("o", 4, 8, outputs=(7000, 7001, 7002))
     for slot in (first, second):
         table[other.kv.req_pool_idx, 4] = slot
         with pytest.raises(InvalidSlots, match=rf"lists slot {slot} .* which a copy in flight of request 't' "
                                                rf"\(ack 1, tokens \[4, 6\)\) still reads$"):
             rig.mgr.offload_kv_cache(other)
+
+
+def test_a_chunk_listing_a_device_page_another_live_request_holds_under_another_name_is_refused():
+    """Request a's chunk landed (nothing reads its slots now) and a still decodes; b's row lists a's
+    page for b's own chunk, whose tokens differ: storing it would put a's KV under b's page name.
+    Refused with ``InvalidSlots`` naming both names, nothing changed; once a is released the page is
+    nobody's and b's chunk (its row repaired or not) goes through."""
+    rig = Rig(PS)
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 4)
+    rig.off.land()
+    rig.progress()                                      # a's [8, 12) landed: no copy reads it, a is live
+    b, _ = first_sight(rig, "b")
+    b.origin_input_ids[0] = 999                         # another prompt: another chain, other page names
+    row_b = b.kv.req_pool_idx
+    own = rig.pool.req_to_token[row_b, 8:12].clone()
+    rig.pool.req_to_token[row_b, 8:12] = rig.pool.req_to_token[a.kv.req_pool_idx, 8:12]
+    before = frozen(rig)
+    with pytest.raises(InvalidSlots, match=r"request 'b': row \d+ lists slot \d+ at a position to offload "
+                                           r"\(ranges \[\(8, 12\)\]\), on a device page request 'a' holds under "
+                                           r"another page name \([0-9a-f]{64} there, [0-9a-f]{64} here\)"):
+        rig.mgr.offload_kv_cache(b)
+    assert frozen(rig) == before and rig.mgr.state_of(b) is None
+    rig.pool.req_to_token[row_b, 8:12] = own
+    assert rig.mgr.offload_kv_cache(b) is True
+
+
+def test_a_device_page_shared_under_the_same_name_stays_allowed():
+    """A prefix page shared through SGLang's radix cache is one device page under one name in both
+    requests: b (same tokens, so the same chain) listing a's landed page for the same positions is
+    allowed while a is live."""
+    rig = Rig(PS)
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 4)
+    rig.off.land()
+    rig.progress()
+    b, _ = first_sight(rig, "b")                        # the same prompt and outputs as a: the same names
+    rig.pool.req_to_token[b.kv.req_pool_idx, 8:12] = rig.pool.req_to_token[a.kv.req_pool_idx, 8:12]
+    assert rig.mgr.offload_kv_cache(b) is True
+    assert rig.mgr.progress_of(b).last_hash == rig.mgr.progress_of(a).last_hash
+
+
+def test_a_released_requests_pages_are_nobodys():
+    """The check follows live lifecycles only: after a's release the device page it held under its
+    name may be listed under another (the allocator hands pages out again)."""
+    rig = Rig(PS)
+    a, _ = rig.admit("a", 8, 16)
+    rig.decode(a, 4)
+    rig.off.land()
+    rig.progress()
+    b, _ = first_sight(rig, "b")
+    b.origin_input_ids[0] = 999
+    rig.pool.req_to_token[b.kv.req_pool_idx, 8:12] = rig.pool.req_to_token[a.kv.req_pool_idx, 8:12]
+    with pytest.raises(InvalidSlots, match="holds under another page name"):
+        rig.mgr.offload_kv_cache(b)
+    a.finish()
+    rig.mgr.finalize_release_on_finish(a)
+    assert rig.mgr.state_of(a) is State.RELEASED
+    rig.alloc.alloc(rig.alloc.available_size())         # as if the freed pages were handed out again
+    assert rig.mgr.offload_kv_cache(b) is True

@@ -42,7 +42,8 @@ def test_a_stuck_copy_expires_the_request_releases_and_its_slots_wait_for_the_co
     free0, host0 = stack.allocator.available_size(), stack.host_pool.available_size()
     sched = Scheduler(stack)
     req = decode_two_chunks(sched)
-    poll_until(sched, lambda: sched.mgr.stats().storage_finished == 1)   # ack 2 landed and stored
+    poll_until(sched, lambda: sched.mgr.stats().unsettled == 1)          # ack 2 landed: it waits for ack 1
+    assert sched.mgr.stats().inflight_storage == 0                        # (its pages' parent) to end
     sched.finish(req)
     assert sched.mgr.state_of(req) is State.FINISHED                    # ack 1 still reads [8, 12)
     clock.t += 2.0                                                        # past its deadline

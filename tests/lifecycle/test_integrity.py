@@ -56,16 +56,16 @@ def test_every_reachable_state_passes_the_check():
 
 def test_a_wrong_inflight_count_is_reported_with_what_the_state_then_contradicts():
     rig, a, _ = two_copies()
-    rig.mgr._records[id(a)].inflight = 0
+    rig.mgr._ledger.records[id(a)].inflight = 0
     assert problems(rig) == ["'a': inflight 0 but 2 chunks outstanding", "'a': INFLIGHT with nothing in flight"]
 
 
 def force_state(rig, req, state: str) -> None:
     """Put ``req``'s record in ``state`` behind the machine's back, the state counters kept in step
     (so that only the contradiction under test is reported)."""
-    rec = rig.mgr._records[id(req)]
-    rig.mgr._by_name[rec.state.name] -= 1
-    rig.mgr._by_name[state] += 1
+    rec = rig.mgr._ledger.records[id(req)]
+    rig.mgr._ledger.by_state[rec.state.name] -= 1
+    rig.mgr._ledger.by_state[state] += 1
     rec.state = State[state]
 
 
@@ -91,7 +91,7 @@ def test_a_finished_record_with_nothing_in_flight_is_reported_as_unreleased():
 
 def test_chunks_of_no_live_record_and_disagreeing_counters_are_reported():
     rig, a, _ = two_copies()
-    del rig.mgr._records[id(a)]
+    del rig.mgr._ledger.records[id(a)]
     assert problems(rig) == [
         "2 in-flight chunks belong to no live record",
         "state counters {'PREFILLED': 1, 'OFFLOADING': 0, 'INFLIGHT': 1, 'FINISHED': 0, 'RELEASED': 0} "
@@ -101,13 +101,13 @@ def test_chunks_of_no_live_record_and_disagreeing_counters_are_reported():
 
 def test_slot_reads_that_disagree_with_the_copies_in_flight_are_reported():
     rig, _, _ = two_copies()
-    rig.mgr._reading.remove(2)
+    rig.mgr._ledger.reading.remove(2)
     assert problems(rig) == ["4 slot reads counted, but copies in flight read 8 slots"]
     rig, _, _ = two_copies()
     rig.off.expire([1])
     rig.progress()
     rig.mgr.check_integrity()                            # the expired copy's 4 slots still count
-    rig.mgr._expired[1].disowned = True                  # disowned without uncounting its reads
+    rig.mgr._ledger.expired[1].disowned = True                  # disowned without uncounting its reads
     assert problems(rig) == ["8 slot reads counted, but copies in flight read 4 slots"]
 
 

@@ -13,7 +13,7 @@ EMBED = textwrap.dedent(
     import logging, sys
     from lifecycle import DecodeOffloadManager
     from lifecycle_tools.testkit.doubles import PagedAllocator, Req, ReqToTokenPool
-    from transfer import InMemoryOffloader
+    from lifecycle_tools.testkit.memory import InMemoryOffloader
 
     pool, alloc = ReqToTokenPool(), PagedAllocator(page_size=4)
     off = InMemoryOffloader(page_size=4, host_pages=64)

@@ -17,10 +17,11 @@ from lifecycle import (
     State,
     UnknownCompletion,
 )
+from lifecycle import machine
 from lifecycle.records import RecordView
 from tests.conftest import Node
 from lifecycle_tools.testkit.doubles import CountingReq, DoubleFree, EffectiveReq, Req
-from transfer import InMemoryOffloader
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 P, O, I, F, R = State.PREFILLED, State.OFFLOADING, State.INFLIGHT, State.FINISHED, State.RELEASED
 
@@ -134,7 +135,7 @@ def test_last_sampled_token_is_never_offloaded():
     assert node.mgr.offload_kv_cache(req) is False
     req.decode(54)                                                # now 12: outputs 50..53 have KV
     assert node.mgr.offload_kv_cache(req) is True
-    chunk = next(iter(node.mgr._ongoing.values()))
+    chunk = next(iter(node.mgr._ledger.ongoing.values()))
     assert chunk.tokens == (50, 51, 52, 53) and 54 not in chunk.tokens
 
 
@@ -142,7 +143,7 @@ def test_stride_is_a_page_multiple_and_chunks_are_stride_sized():
     node = Node(page_size=4, stride=8)
     req = Req("r", range(8), row=0)
     assert decode(node, req, 8) == [False] * 7 + [True]
-    chunk = next(iter(node.mgr._ongoing.values()))
+    chunk = next(iter(node.mgr._ledger.ongoing.values()))
     assert (chunk.start, chunk.end, len(chunk.page_hashes)) == (8, 16, 2)
 
 
@@ -151,7 +152,7 @@ def test_namespace_seed_is_the_first_pages_prior():
     node = Node(page_size=4, seed=seed)
     req = Req("r", range(3), row=0)                 # P = 0: the first decode page starts the chain
     decode(node, req, 2)
-    chunk = next(iter(node.mgr._ongoing.values()))
+    chunk = next(iter(node.mgr._ledger.ongoing.values()))
     assert chunk.page_hashes == tuple(page_hashes([0, 1, 2, 9000], 4, seed))
 
 
@@ -229,7 +230,7 @@ def test_offload_at_finish_then_release_when_copy_lands_without_finalize():
 
 
 def frozen(node, req):
-    return (view(node, req), node.mgr.snapshot(), sorted(node.mgr._ongoing), node.off.host_free_pages())
+    return (view(node, req), node.mgr.snapshot(), sorted(node.mgr._ledger.ongoing), node.off.host_free_pages())
 
 
 def test_release_while_copy_in_flight_is_refused():
@@ -311,7 +312,7 @@ def test_readmit_starts_a_new_lifecycle_on_the_new_row():
     node.mgr.readmit(req)
     assert node.mgr.state_of(req) is P and node.mgr.progress_of(req).inc_len == 0
     assert node.mgr.offload_kv_cache(req) is True       # the same tokens, now from row 2
-    chunk = next(iter(node.mgr._ongoing.values()))
+    chunk = next(iter(node.mgr._ledger.ongoing.values()))
     assert int(chunk.start) == 4 and int(node.pool.req_to_token[2, 4]) == 2 * node.pool.width + 4
     with pytest.raises(InvalidTransition, match="readmit"):
         node.mgr.readmit(req)
@@ -379,11 +380,11 @@ def test_disowned_expired_copies_leave_their_slots_to_their_owner():
     node.off.expire([1, 2])
     node.mgr.check_offload_progress()                   # released, slots of [4, 12) quarantined
     assert node.mgr.state_of(req) is R and node.alloc.freed_pages == [0]
-    assert (node.mgr.stats().quarantined_slots, node.mgr._reading.total()) == (8, 12)
+    assert (node.mgr.stats().quarantined_slots, node.mgr._ledger.reading.total()) == (8, 12)
     assert node.mgr.disown_expired_copies([]) == 0
     assert node.mgr.disown_expired_copies([3, 1, 99]) == 1          # ack 3 is in flight, 99 unknown
     assert node.mgr.disown_expired_copies([1]) == 0                 # already disowned
-    assert node.mgr._reading.total() == 8                           # ack 1's slots are not guarded
+    assert node.mgr._ledger.reading.total() == 8                           # ack 1's slots are not guarded
     node.mgr.check_integrity()
     node.off.land([1])                                  # the disowned copy ends: host pages only
     node.mgr.check_offload_progress()
@@ -403,8 +404,8 @@ def test_disowning_several_expired_copies_counts_each_once():
     decode(node, req, 12)                               # acks 1, 2, 3
     node.off.expire([1, 2, 3])
     node.mgr.check_offload_progress()
-    assert node.mgr.disown_expired_copies([3, 1, 3]) == 2 and node.mgr._reading.total() == 4
-    assert node.mgr.disown_expired_copies(iter([1, 2, 3])) == 1 and node.mgr._reading.total() == 0
+    assert node.mgr.disown_expired_copies([3, 1, 3]) == 2 and node.mgr._ledger.reading.total() == 4
+    assert node.mgr.disown_expired_copies(iter([1, 2, 3])) == 1 and node.mgr._ledger.reading.total() == 0
     node.mgr.check_integrity()
 
 
@@ -415,7 +416,7 @@ def test_dropped_released_request_is_not_pinned_and_not_a_leak():
     del req
     gc.collect()
     node.mgr.check_offload_progress()
-    assert node.mgr._records == {} and node.mgr.stats().leaked == 0
+    assert node.mgr._ledger.records == {} and node.mgr.stats().leaked == 0
 
 
 def test_dropped_live_request_is_reported_as_a_leak(capsys):
@@ -445,7 +446,7 @@ def test_in_flight_work_holds_the_request_until_it_lands():
     gc.collect()
     node.mgr.check_offload_progress()
     s = node.mgr.stats()
-    assert (s.tracked, s.released, s.leaked) == (0, 1, 0) and node.mgr._records == {}
+    assert (s.tracked, s.released, s.leaked) == (0, 1, 0) and node.mgr._ledger.records == {}
 
 
 # --- fast path ----------------------------------------------------------------------------------------
@@ -464,12 +465,13 @@ class NoSlicing(list):
         raise AssertionError("fast path concatenated token lists")
 
 
-def test_fast_path_fires_no_trigger_and_builds_no_token_list():
+def test_fast_path_fires_no_trigger_and_builds_no_token_list(monkeypatch):
     node = Node(page_size=16)
     req = Req("r", range(20), row=0)
     node.mgr.offload_kv_cache(req)                       # first sight (hashes the prefill)
     fired = []
-    node.mgr._fire = {k: (lambda *a, _k=k, **kw: fired.append(_k)) for k in node.mgr._fire}
+    for k in machine.TRIGGERS:
+        monkeypatch.setattr(machine, k, lambda *a, _k=k, **kw: fired.append(_k))
     req.origin_input_ids = NoSlicing(req.origin_input_ids)
     req.output_ids = NoSlicing(req.output_ids)
     for i in range(10):
@@ -497,7 +499,7 @@ def test_integrity_check_catches_a_corrupted_table():
     req = Req("r", range(4), row=0)
     decode(node, req, 4)
     node.mgr.check_integrity()
-    node.mgr._records[id(req)].inflight = 0
+    node.mgr._ledger.records[id(req)].inflight = 0
     with pytest.raises(IntegrityError, match="inflight 0 but 1 chunks"):
         node.mgr.check_integrity()
 

@@ -65,7 +65,8 @@ def test_a_request_may_allocate_its_whole_row():
 def test_the_default_page_size_is_16_and_the_device_pools_slot_count_comes_from_the_offloader():
     from types import SimpleNamespace
 
-    from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+    from transfer import PagedTokenAllocator, ReqToTokenPool
+    from lifecycle_tools.testkit.memory import InMemoryOffloader
 
     alloc, pool = PagedTokenAllocator(4 * 64, 16), ReqToTokenPool(4, 64)
     off = InMemoryOffloader(page_size=16, host_pages=8)

@@ -16,7 +16,8 @@ from lifecycle.errors import InvalidToken
 from lifecycle_tools.testkit.doubles import Req
 from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
 from tests.support.real_rig import Rig
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 PS = 4
 

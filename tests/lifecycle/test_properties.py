@@ -20,8 +20,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hashing import page_hashes
 from lifecycle import ConfigError, DecodeOffloadManager, InvalidTransition, LifecycleError, ReentrantCall, State
-from lifecycle import integrity
-from lifecycle.table import lookup
 from lifecycle_tools.testkit.doubles import WIDTH, PagedAllocator, Pools, Req, TrackingOffloader
 
 
@@ -47,11 +45,11 @@ class Lifecycles(RuleBasedStateMachine):
     def frozen(self):
         m = self.mgr
         records = sorted((k, r.rid, r.state.name, r.row, r.inflight, r.offload.inc_len, r.offload.last_hash)
-                         for k, r in m._records.items())
-        counters = (dict(m._by_name), m._released, m._leaked, m._host_short, m._chunks, m._chunks_landed)
+                         for k, r in m._ledger.records.items())
+        counters = (dict(m._ledger.by_state), m._ledger.released, m._ledger.leaked, m._ledger.host_short, m._ledger.chunks, m._ledger.chunks_landed)
         return (records, counters, set(self.pools.held_pages), list(self.pools.free_rows),
-                sorted(m._ongoing), sorted(m._storage_ops), self.off.host_free_pages(),
-                self.pools.req_to_token.clone().tolist(), integrity.stats(m))  # stats without draining drops
+                sorted(m._ledger.ongoing), sorted(m._ledger.storage_ops), self.off.host_free_pages(),
+                self.pools.req_to_token.clone().tolist(), m._ledger.stats())  # stats without draining drops
 
     def refused(self, call, error=LifecycleError):
         """``call`` raises ``error`` and nothing observable changes."""
@@ -140,7 +138,7 @@ class Lifecycles(RuleBasedStateMachine):
             return
         req = data.draw(st.sampled_from(self.reqs))
         state = self.mgr.state_of(req)
-        rec = lookup(self.mgr, req)
+        rec = self.mgr._ledger.lookup(req)
         legal = (state is State.FINISHED or (state is not State.RELEASED and req.finished())) and not (rec and rec.inflight)
         if legal or req.kv.req_pool_idx is None and state is None:
             return
@@ -182,7 +180,7 @@ class Lifecycles(RuleBasedStateMachine):
     @rule(data=st.data(), how=st.sampled_from(["cleared", "minus_one", "tail_not_allocated"]))
     def row_corrupted(self, data, how):
         done = [r for r in self.tracked() if (r.finished() or self.mgr.state_of(r) is State.FINISHED)
-                and not lookup(self.mgr, r).inflight and r.kv.kv_allocated_len]
+                and not self.mgr._ledger.lookup(r).inflight and r.kv.kv_allocated_len]
         if not done:
             return
         req = data.draw(st.sampled_from(done))
@@ -259,7 +257,7 @@ class Lifecycles(RuleBasedStateMachine):
     @invariant()
     def chunks_carry_the_reference_chain(self):
         ps = self.page_size
-        for chunk in self.mgr._ongoing.values():
+        for chunk in self.mgr._ledger.ongoing.values():
             req = chunk.req
             full = req.origin_input_ids + req.output_ids[:-1]
             assert chunk.page_hashes == tuple(page_hashes(full[: chunk.end], ps)[chunk.start // ps:])

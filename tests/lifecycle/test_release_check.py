@@ -100,7 +100,7 @@ def test_a_bad_device_row_is_released_then_reported_at_the_next_progress_check(b
     assert (event["log_level"], event["rid"], event["row"], event["gen"]) == ("error", "r", row, 0)
     assert event["ranges"] == [(0, 8)] and event["problem"] == words and event["slots_end"] == END
     assert event[field] == 1 and sum(event[k] for k in ("negative", "out_of_range", "repeated")) == 1
-    assert not rig.mgr._release_checks
+    assert not rig.mgr._ledger.release_checks
 
 
 def test_the_last_slot_of_the_pool_and_a_good_row_report_nothing():
@@ -110,9 +110,9 @@ def test_the_last_slot_of_the_pool_and_a_good_row_report_nothing():
     with capture_logs() as logs, no_host_sync():
         rig.mgr.finalize_release_on_finish(req)
         rig.mgr.finalize_release_on_finish(good)
-        assert len(rig.mgr._release_checks) == 2
+        assert len(rig.mgr._ledger.release_checks) == 2
         rig.mgr.check_offload_progress()
-    assert rig.mgr.stats().bad_release_rows == 0 and bad_rows(logs) == [] and not rig.mgr._release_checks
+    assert rig.mgr.stats().bad_release_rows == 0 and bad_rows(logs) == [] and not rig.mgr._ledger.release_checks
 
 
 def test_without_a_known_pool_size_only_negatives_and_repeats_are_checked():
@@ -144,7 +144,7 @@ def test_host_rows_are_refused_on_the_host_and_queue_no_device_check():
         rig.mgr.finalize_release_on_finish(req)
     ok = finished(rig, "ok")
     rig.mgr.finalize_release_on_finish(ok)
-    assert not rig.mgr._release_checks and rig.mgr.stats().bad_release_rows == 0
+    assert not rig.mgr._ledger.release_checks and rig.mgr.stats().bad_release_rows == 0
 
 
 def test_a_refused_device_release_queues_nothing():
@@ -158,7 +158,7 @@ def test_a_refused_device_release_queues_nothing():
     req = finished(rig, "x", bad=-1)
     with no_host_sync(), pytest.raises(release.ReleaseRefused):
         rig.mgr.finalize_release_on_finish(req)
-    assert not rig.mgr._release_checks
+    assert not rig.mgr._ledger.release_checks
 
 
 class NotYet:
@@ -192,13 +192,13 @@ def test_a_verdict_is_read_only_after_its_event_fired_and_in_order(events):
         rig.mgr.finalize_release_on_finish(a)
         rig.mgr.finalize_release_on_finish(b)
         rig.mgr.check_offload_progress()
-        assert rig.mgr.stats().bad_release_rows == 0 and len(rig.mgr._release_checks) == 2
+        assert rig.mgr.stats().bad_release_rows == 0 and len(rig.mgr._ledger.release_checks) == 2
         events[1].fired = True
         rig.mgr.check_offload_progress()
-        assert [c.rid for c in rig.mgr._release_checks] == ["a"] and rig.mgr.stats().bad_release_rows == 1
+        assert [c.rid for c in rig.mgr._ledger.release_checks] == ["a"] and rig.mgr.stats().bad_release_rows == 1
         events[0].fired = True
         rig.mgr.check_offload_progress()
-    assert [e["rid"] for e in bad_rows(logs)] == ["b", "a"] and not rig.mgr._release_checks
+    assert [e["rid"] for e in bad_rows(logs)] == ["b", "a"] and not rig.mgr._ledger.release_checks
 
 
 def test_unread_verdicts_are_bounded_when_progress_checks_stop(events, monkeypatch):
@@ -210,9 +210,9 @@ def test_unread_verdicts_are_bounded_when_progress_checks_stop(events, monkeypat
         rig.mgr.finalize_release_on_finish(reqs[1])
         events[0].fired = True
         rig.mgr.finalize_release_on_finish(reqs[2])  # over the bound: the landed one is read first
-        assert [c.rid for c in rig.mgr._release_checks] == ["r1", "r2"] and rig.mgr.stats().bad_release_rows == 1
+        assert [c.rid for c in rig.mgr._ledger.release_checks] == ["r1", "r2"] and rig.mgr.stats().bad_release_rows == 1
         rig.mgr.finalize_release_on_finish(reqs[3])  # none landed: the oldest dropped unread
-        assert [c.rid for c in rig.mgr._release_checks] == ["r2", "r3"]
+        assert [c.rid for c in rig.mgr._ledger.release_checks] == ["r2", "r3"]
     (dropped,) = [e for e in logs if e["event"] == audit.RELEASE_CHECKS_UNREAD]
     assert dropped["unread"] == 1 and dropped["log_level"] == "warning"
     assert rig.mgr.stats().released == 4
@@ -229,7 +229,7 @@ def test_shutdown_reads_the_landed_verdicts_and_drops_the_rest_without_waiting(e
         rig.mgr.shutdown()
     assert rig.mgr.stats().bad_release_rows == 1 and [e["rid"] for e in bad_rows(logs)] == ["a"]
     (dropped,) = [e for e in logs if e["event"] == audit.RELEASE_CHECKS_UNREAD]
-    assert dropped["unread"] == 1 and not rig.mgr._release_checks
+    assert dropped["unread"] == 1 and not rig.mgr._ledger.release_checks
 
 
 def test_a_refused_shutdown_keeps_the_unread_verdicts(events):
@@ -243,7 +243,7 @@ def test_a_refused_shutdown_keeps_the_unread_verdicts(events):
     assert rig.mgr.offload_kv_cache(busy)  # a copy in flight
     with pytest.raises(Exception, match="shutdown refused"):
         rig.mgr.shutdown()
-    assert len(rig.mgr._release_checks) == 1
+    assert len(rig.mgr._ledger.release_checks) == 1
 
 
 class PlanSink(RangeSink):
@@ -324,9 +324,9 @@ def test_verdicts_are_kept_unread_up_to_the_bound_and_read_when_it_is_passed(mon
     with capture_logs() as logs, no_host_sync():
         rig.mgr.finalize_release_on_finish(reqs[0])
         rig.mgr.finalize_release_on_finish(reqs[1])
-        assert len(rig.mgr._release_checks) == 2 and rig.mgr.stats().bad_release_rows == 0  # at the bound
+        assert len(rig.mgr._ledger.release_checks) == 2 and rig.mgr.stats().bad_release_rows == 0  # at the bound
         rig.mgr.finalize_release_on_finish(reqs[2])  # past it: the landed verdicts are read now
-    assert rig.mgr.stats().bad_release_rows == 3 and not rig.mgr._release_checks
+    assert rig.mgr.stats().bad_release_rows == 3 and not rig.mgr._ledger.release_checks
     assert [e for e in logs if e["event"] == audit.RELEASE_CHECKS_UNREAD] == []
 
 

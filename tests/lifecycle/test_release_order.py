@@ -16,7 +16,8 @@ import torch
 
 from lifecycle import DecodeOffloadManager, State
 from lifecycle_tools.testkit.doubles import Req
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 ROWS, WIDTH = 4, 64
 

@@ -19,7 +19,8 @@ from lifecycle.errors import InvalidToken
 from lifecycle.requests import row_of
 from lifecycle_tools.testkit.doubles import Req
 from tests.support.real_rig import Rig
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 PS = 4
 

@@ -14,7 +14,8 @@ from hashing import page_hashes
 from lifecycle import InvalidTransition, State, UnknownCompletion, audit
 from lifecycle.release import AllocatorReleaseSink, ReleaseRefused
 from tests.support.real_rig import Rig
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 PS = 4
 
@@ -228,7 +229,7 @@ def test_a_failed_copy_is_settled_once_and_leaves_nothing_behind():
     rig.off.fail([1])
     rig.progress()
     assert rig.mgr.stats().copy_failures == 1 and rig.off.pending_storage == {}
-    assert not rig.mgr._failed and not rig.mgr._ongoing  # no per-copy trace kept once settled
+    assert not rig.mgr._ledger.failed and not rig.mgr._ledger.ongoing  # no per-copy trace kept once settled
     rig.decode(req, 4, first=7005)                       # the next chunk: ack 2, landed and stored
     rig.off.land([2])
     rig.progress()
@@ -241,10 +242,10 @@ def test_an_expired_copy_that_then_fails_ends_its_quarantine_and_leaves_nothing_
     rig.decode(req, 4)                                   # ack 1
     rig.off.expire([1])
     rig.progress()                                       # expired: its slots quarantined
-    assert rig.mgr.stats().copies_expired == 1 and 1 in rig.mgr._expired
+    assert rig.mgr.stats().copies_expired == 1 and 1 in rig.mgr._ledger.expired
     rig.off.fail([1])                                    # it ends, as a failure
     rig.progress()
-    assert not rig.mgr._expired and not rig.mgr._failed and rig.mgr._reading.total() == 0
+    assert not rig.mgr._ledger.expired and not rig.mgr._ledger.failed and rig.mgr._ledger.reading.total() == 0
 
 
 class NoFailureReports(InMemoryOffloader):
@@ -263,3 +264,57 @@ def test_an_offloader_without_failure_reports_is_collected_and_shut_down():
     rig.off.complete_storage()
     rig.progress()
     assert rig.mgr.stats().copy_failures == 0 and rig.mgr.shutdown().copies == 0
+
+
+# --- chain order: a request's storage writes go out in the order of its chain (issue 35.6) -------
+
+
+def two_chunks(rig, rid="a"):
+    req, _ = rig.admit(rid, 8, 24)
+    rig.decode(req, 8)                                  # acks: [8, 12) then [12, 16)
+    assert len(rig.mgr.copies_of(req)) == 2
+    return req
+
+
+def stored_names(rig):
+    return [names for _, names in rig.off.pending_storage.values()]
+
+
+def test_a_chunk_that_lands_before_its_predecessor_waits_for_it():
+    """The request's second chunk lands first: its pages are not handed to storage (so never
+    announced before their parent) until the first has landed; then both go, first first."""
+    rig = Rig(PS)
+    req = two_chunks(rig)
+    first, second = rig.mgr.copies_of(req)
+    chain = rig.mgr.progress_of(req).last_hash
+    rig.off.land([second])
+    rig.progress()
+    assert stored_names(rig) == [] and rig.mgr.copies_of(req) == [first]
+    assert rig.mgr.state_of(req) is State.INFLIGHT and rig.mgr.stats().unsettled == 1
+    rig.off.land([first])
+    rig.progress()
+    names = stored_names(rig)
+    assert len(names) == 2 and names[1][-1] == chain and rig.mgr.state_of(req) is State.PREFILLED
+    assert rig.mgr.stats().unsettled == 0
+    rig.mgr.check_integrity()
+
+
+def test_a_waiting_chunk_goes_once_its_predecessor_expired():
+    rig = Rig(PS)
+    req = two_chunks(rig)
+    first, second = rig.mgr.copies_of(req)
+    rig.off.land([second])
+    rig.progress()
+    assert stored_names(rig) == []
+    rig.off.expire([first])
+    rig.progress()                                      # the predecessor will never store: no wait
+    assert len(stored_names(rig)) == 1 and rig.mgr.copies_of(req) == []
+
+
+def test_another_requests_chunk_does_not_wait():
+    rig = Rig(PS)
+    a = two_chunks(rig, "a")
+    b = two_chunks(rig, "b")
+    rig.off.land(rig.mgr.copies_of(b))                  # b's chunks land, a's are still in flight
+    rig.progress()
+    assert len(stored_names(rig)) == 2 and rig.mgr.copies_of(b) == [] and len(rig.mgr.copies_of(a)) == 2

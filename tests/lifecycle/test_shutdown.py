@@ -237,7 +237,7 @@ def test_a_zero_second_bound_ends_the_drain_even_when_no_time_passes(monkeypatch
 
 def test_a_tp_managers_forced_shutdown_is_bounded_by_the_agreed_deadline(world):
     from lifecycle import DecodeOffloadManager
-    from transfer import InMemoryOffloader
+    from lifecycle_tools.testkit.memory import InMemoryOffloader
 
     node = Node(page_size=4)
     node.off = InMemoryOffloader(page_size=4, host_pages=64, auto_land=False)

@@ -96,10 +96,14 @@ class SpyAllocator:
 
 def bare_mgr(alloc=None, page=4, reading=()):
     """``reading``: (ack, ids) of copies in flight."""
-    r = SlotsInFlight()
+    from lifecycle.ledger import Ledger
+    from lifecycle.table import Owners
+
+    ledger = Ledger(Owners(), None)
+    r = ledger.reading
     for ack, xs in reading:
         r.add(ack, torch.tensor(xs, dtype=torch.int64))
-    return SimpleNamespace(_reading=r, _ongoing={}, _expired={}, _alloc_page=page,
+    return SimpleNamespace(_ledger=ledger, _alloc_page=page,
                            token_to_kv_pool_allocator=alloc if alloc is not None else SpyAllocator())
 
 
@@ -132,7 +136,7 @@ def test_ids_that_are_no_run_are_probed_by_their_own_pages_only():
     mgr = bare_mgr(SpyAllocator(holds=False, refuse={8}))
     with pytest.raises(InvalidSlots, match=r"row 3 lists slots the allocator does not hold .*page 8 not held"):
         plan(mgr, [1, 0, 9, 8])
-    assert mgr._reading.planned is None
+    assert mgr._ledger.reading.planned is None
 
 
 @pytest.mark.parametrize("check_free", ["absent", 0])
@@ -140,7 +144,7 @@ def test_an_allocator_without_a_callable_check_free_is_trusted(check_free):
     alloc = SimpleNamespace() if check_free == "absent" else SimpleNamespace(check_free=check_free)
     mgr = bare_mgr(alloc)
     s, _ = plan(mgr, [0, 2, 9])
-    assert s.tolist() == [0, 2, 9] and mgr._reading.planned[1].tolist() == [0, 2, 9]
+    assert s.tolist() == [0, 2, 9] and mgr._ledger.reading.planned[1].tolist() == [0, 2, 9]
 
 
 def test_ids_with_gaps_ignore_a_copy_reading_the_gaps():

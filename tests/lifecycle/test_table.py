@@ -45,16 +45,17 @@ def test_a_copy_is_a_manager_over_copied_requests_driven_on_its_own():
     # the copy knows the copied requests, in the same states, and not the originals
     assert states(twin, a2, b2, c2) == [State.INFLIGHT, State.PREFILLED, State.RELEASED]
     assert states(twin, a, b, c) == [None, None, None] and states(mgr, a2, b2, c2) == [None, None, None]
-    assert set(twin._records) == {id(a2), id(b2), id(c2)}
-    rec = twin._records[id(a2)]
-    assert rec is not mgr._records[id(a)] and rec.offload is not mgr._records[id(a)].offload
-    assert twin._ongoing[1].rec is rec and twin._ongoing[1].req is a2 and twin.copies_of(a2) == [1]
+    assert set(twin._ledger.records) == {id(a2), id(b2), id(c2)}
+    rec = twin._ledger.records[id(a2)]
+    assert rec is not mgr._ledger.records[id(a)] and rec.offload is not mgr._ledger.records[id(a)].offload
+    assert twin._ledger.ongoing[1].rec is rec and twin._ledger.ongoing[1].req is a2 and twin.copies_of(a2) == [1]
     # shared: logger, rate limiter, clock, TP group, machine, ownership registry; the rest copied
-    for key in ("_log", "_alerts", "_clock", "tp_group", "_fire", "_owners"):
+    for key in ("_log", "_alerts", "_clock", "tp_group", "_owners"):
         assert getattr(twin, key) is getattr(mgr, key), key
-    for key in ("offloader", "req_to_token_pool", "token_to_kv_pool_allocator", "_ongoing", "_by_name",
-                "_reading", "_dropped", "_records"):
+    for key in ("offloader", "req_to_token_pool", "token_to_kv_pool_allocator", "_ledger"):
         assert getattr(twin, key) is not getattr(mgr, key), key
+    for key in ("ongoing", "by_state", "reading", "dropped", "records"):
+        assert getattr(twin._ledger, key) is not getattr(mgr._ledger, key), key
     assert twin.stats() == mgr.stats() and twin.snapshot() == mgr.snapshot()
     twin.check_integrity()
     # driving the copy leaves the original as it was
@@ -108,7 +109,7 @@ def test_a_request_dropped_before_the_copy_is_not_copied_and_drops_are_each_mana
     del gone
     # its record is queued (refcount drop: the weakref callback ran), not retired yet
     twin, a2, b2, c2, later2 = copy.deepcopy((mgr, a, b, c, later))
-    assert len(twin._records) == 4 and len(mgr._records) == 5   # the dropped one is skipped, not the rest
+    assert len(twin._ledger.records) == 4 and len(mgr._ledger.records) == 5   # the dropped one is skipped, not the rest
     assert twin.state_of(later2) is State.PREFILLED
     assert twin.stats().leaked == 0 and mgr.stats().leaked == 1
     del b2
@@ -136,7 +137,7 @@ def test_a_new_ownership_registry_starts_empty_and_tracks_claims():
     assert owners.owner(req) is None
     owners.check(req, node.mgr)                            # nobody holds it: fine
     node.mgr.offload_kv_cache(req)
-    ref = node.mgr._records[id(req)].ref
+    ref = node.mgr._ledger.records[id(req)].ref
     owners.claim(req, node.mgr, ref)
     assert owners.owner(req) is node.mgr
     owners.forget(ref)
@@ -164,8 +165,8 @@ def test_a_record_whose_request_is_gone_is_not_found_for_an_object_reusing_its_i
     node = Node(page_size=4)
     a, b = Req("a", range(4), row=0), Req("b", range(4), row=1)
     node.mgr.offload_kv_cache(a)
-    node.mgr._records[id(b)] = node.mgr._records[id(a)]   # as if b had a's id after a was dropped
-    assert table.lookup(node.mgr, b) is None and table.lookup(node.mgr, a) is node.mgr._records[id(a)]
+    node.mgr._ledger.records[id(b)] = node.mgr._ledger.records[id(a)]   # as if b had a's id after a was dropped
+    assert node.mgr._ledger.lookup(b) is None and node.mgr._ledger.lookup(a) is node.mgr._ledger.records[id(a)]
 
 
 def test_draining_a_drop_retires_only_the_record_that_ref_belongs_to():
@@ -178,10 +179,14 @@ def test_draining_a_drop_retires_only_the_record_that_ref_belongs_to():
 
     stale, live_obj = Obj(), Obj()
     live = SimpleNamespace(ref=weakref.KeyedRef(live_obj, None, 7), state=State.RELEASED)
-    mgr = SimpleNamespace(_dropped=collections.deque([weakref.KeyedRef(stale, None, 7), weakref.KeyedRef(stale, None, 8)]),
-                          _records={7: live}, _by_name={"RELEASED": 1}, _leaked=0)
-    table.drain_dropped(mgr)                       # key 7: another request's record; key 8: none left
-    assert mgr._records == {7: live} and not mgr._dropped and mgr._leaked == 0
+    from lifecycle.ledger import Ledger
+
+    ledger = Ledger(table.Owners(), None)
+    ledger.dropped.extend([weakref.KeyedRef(stale, None, 7), weakref.KeyedRef(stale, None, 8)])
+    ledger.records[7] = live
+    ledger.by_state["RELEASED"] = 1
+    assert ledger.drain_dropped() == []            # key 7: another request's record; key 8: none left
+    assert ledger.records == {7: live} and not ledger.dropped and ledger.leaked == 0
 
 
 def test_a_record_left_under_a_reused_id_is_retired_as_leaked_when_the_new_request_is_seen():
@@ -192,12 +197,12 @@ def test_a_record_left_under_a_reused_id_is_retired_as_leaked_when_the_new_reque
     import msgspec
 
     node.mgr.offload_kv_cache(a)                         # PREFILLED, never released
-    old = node.mgr._records.pop(id(a))                   # as if a was dropped and b took its id:
-    node.mgr._records[id(b)] = msgspec.structs.replace(old, ref=weakref.KeyedRef(a, None, id(b)))
+    old = node.mgr._ledger.records.pop(id(a))                   # as if a was dropped and b took its id:
+    node.mgr._ledger.records[id(b)] = msgspec.structs.replace(old, ref=weakref.KeyedRef(a, None, id(b)))
     node.mgr.offload_kv_cache(b)
     s = node.mgr.stats()
     assert s.leaked == 1 and node.mgr.state_of(b) is State.PREFILLED
-    assert node.mgr._by_name["PREFILLED"] == 1 and len(node.mgr._records) == 1
+    assert node.mgr._ledger.by_state["PREFILLED"] == 1 and len(node.mgr._ledger.records) == 1
 
 
 class Owner:

@@ -45,9 +45,13 @@ def test_storage_ops_settle_as_a_prefix_too(world):
 
 
 def test_without_a_group_whatever_completed_settles_at_once():
+    """Ack 2 landed before ack 1 (another request's): settled at once, no prefix wait. (Within one
+    request a chunk waits for its predecessor: chain order, tests/lifecycle/test_settle_edges.py.)"""
     rig = Rig(PS)
-    req, _ = rig.admit("v", 8, 16)
-    rig.decode(req, 8)
+    v, _ = rig.admit("v", 8, 16)
+    w, _ = rig.admit("w", 8, 16)
+    rig.decode(v, 4)
+    rig.decode(w, 4)
     rig.off.land([2])
     rig.progress()
     assert rig.mgr.stats().chunks_landed == 1

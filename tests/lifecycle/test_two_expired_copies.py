@@ -45,7 +45,7 @@ def two_expired():
 
 def test_the_record_keeps_both_expired_copies():
     rig, _, req, _, _, _ = two_expired()
-    rec = rig.mgr._records[id(req)]
+    rec = rig.mgr._ledger.records[id(req)]
     assert rec.expired == (1, 2) and rec.inflight == 0
     s = rig.mgr.stats()
     assert (s.copies_expired, s.quarantined_slots, s.inflight_writes) == (2, 8, 0)
@@ -87,7 +87,7 @@ def test_a_copy_that_ends_before_the_release_is_freed_by_the_release_the_other_l
     rig, sink, req, slots, start_free, host_free = two_expired()
     rig.off.land([1])
     rig.progress()                                      # ack 1 ended while the request is live
-    rec = rig.mgr._records[id(req)]
+    rec = rig.mgr._ledger.records[id(req)]
     assert rig.alloc.available_size() == start_free - 16        # nothing freed: the request holds them
     assert rig.mgr.stats().quarantined_slots == 4
     req.finish()

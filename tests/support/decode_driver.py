@@ -10,7 +10,7 @@ import torch
 import hashing
 from lifecycle import DecodeOffloadManager
 from lifecycle_tools.testkit.doubles import Req
-from transfer import synthetic_kv
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 
 PS, LAYERS, HEADS, DIM, ROWS, MAX_LEN = 4, 2, 2, 8, 8, 64
 

@@ -10,7 +10,8 @@ import torch
 
 from lifecycle import DecodeOffloadManager
 from lifecycle_tools.testkit.doubles import Req
-from transfer import InMemoryOffloader, PagedTokenAllocator, ReqToTokenPool
+from transfer import PagedTokenAllocator, ReqToTokenPool
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 
 class Clock:

@@ -18,7 +18,8 @@ import torch
 from lifecycle import DecodeOffloadManager
 from lifecycle_tools.testkit import doubles
 from tests.support.real_rig import Clock, Rig
-from transfer import DoubleFree, InMemoryOffloader, NotAllocated, PagedTokenAllocator
+from lifecycle_tools.testkit.memory import InMemoryOffloader
+from transfer import DoubleFree, NotAllocated, PagedTokenAllocator
 
 
 class _Common:

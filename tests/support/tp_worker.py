@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from lifecycle import DecodeOffloadManager
 from lifecycle_tools.testkit.doubles import PagedAllocator, ReqToTokenPool, Req
-from transfer import InMemoryOffloader
+from lifecycle_tools.testkit.memory import InMemoryOffloader
 
 PS = 4
 

@@ -1,11 +1,12 @@
-"""The simulator's synthetic KV is exactly ``transfer.synthetic_kv``'s bytes (every dtype and shape
+"""The simulator's synthetic KV is exactly ``lifecycle_tools.testkit.kv_pattern.synthetic_kv``'s bytes (every dtype and shape
 the CLI offers), computed faster; pages come out in the host pool's page-first layout."""
 
 import pytest
 import torch
 
 from lifecycle_tools.simulate.kvdata import SyntheticKV, page_first
-from transfer import KVPool, ReqToTokenPool, synthetic_kv
+from transfer import KVPool, ReqToTokenPool
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn])

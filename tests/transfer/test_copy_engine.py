@@ -4,7 +4,8 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from transfer import CpuCopyEngine, CudaCopyEngine, HostPool, KVPool, synthetic_kv
+from transfer import CpuCopyEngine, CudaCopyEngine, HostPool, KVPool
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.gather import page_runs
 from tests.support.transfer_helpers import drain
 

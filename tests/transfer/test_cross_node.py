@@ -15,7 +15,8 @@ import torch
 from tests.support.cross_node_writer import MODEL
 from tests.support.decode_driver import DIM, HEADS, LAYERS, MAX_LEN, PS, ROWS
 from tests.support.transfer_helpers import drain
-from transfer import build_stack, synthetic_kv
+from transfer import build_stack
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import hashing
-from transfer import HostOffloader, HostPool, KVPool, MemoryStorage, build_stack, synthetic_kv
+from transfer import HostOffloader, HostPool, KVPool, MemoryStorage, build_stack
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from tests.support.transfer_helpers import drain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
-from transfer import BadIndices, HostOffloader, HostPool, KVPool, MemoryStorage, synthetic_kv
+from transfer import BadIndices, HostOffloader, HostPool, KVPool, MemoryStorage
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.indices import on_host
 from tests.support.transfer_helpers import drain
 

@@ -6,10 +6,8 @@ from types import SimpleNamespace
 import torch
 
 import hashing
-from transfer import (
-    FileStorage, HostOffloader, HostPool, KVPool, PagedTokenAllocator, PrefixLoader, ReqToTokenPool,
-    synthetic_kv,
-)
+from transfer import FileStorage, HostOffloader, HostPool, KVPool, PagedTokenAllocator, PrefixLoader, ReqToTokenPool
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from tests.support.transfer_helpers import drain
 
 PS, LAYERS, HEADS, DIM = 4, 3, 2, 8

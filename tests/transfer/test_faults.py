@@ -18,10 +18,8 @@ import torch
 from structlog.testing import capture_logs
 
 import hashing
-from transfer import (
-    CpuCopyEngine, FileStorage, HostOffloader, HostPagesBusy, HostPool, KVPool, MemoryStorage,
-    StorageUnavailable, TransferError, synthetic_kv,
-)
+from transfer import CpuCopyEngine, FileStorage, HostOffloader, HostPagesBusy, HostPool, KVPool, MemoryStorage, StorageUnavailable, TransferError
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.gather import ChunkCopy
 from transfer.storage.file import XATTR
 from tests.support.transfer_helpers import drain

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
-from transfer import BadIndices, HostPool, KVPool, synthetic_kv
+from transfer import BadIndices, HostPool, KVPool
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.gather import ID_VERDICT, ChunkCopy, Staging, check_ids_on_device, ids_verdict
 
 PS = 4

@@ -5,10 +5,8 @@ import pytest
 import torch
 
 import hashing
-from transfer import (
-    BadIndices, Closed, CpuCopyEngine, DoubleFree, HostOffloader, HostPagesBusy, HostPool, KVPool,
-    MemoryStorage, NotAllocated, Offloader, TransferError, UnknownId, synthetic_kv,
-)
+from transfer import BadIndices, Closed, CpuCopyEngine, DoubleFree, HostOffloader, HostPagesBusy, HostPool, KVPool, MemoryStorage, NotAllocated, Offloader, TransferError, UnknownId
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from tests.support.transfer_helpers import drain
 
 PS = 4

@@ -457,7 +457,7 @@ def test_chunks_that_land_together_are_announced_in_chain_order():
     rec = Recorder()
     stack.offloader.events = HostAnnouncer(rec, PS)
     mgr = DecodeOffloadManager.from_stack(stack, offload_stride=PS)
-    mgr._ack_ids = itertools.count(63)
+    mgr._ledger._ack_ids = itertools.count(63)
     try:
         row = stack.req_to_token_pool.alloc()
         req = Req("r", list(range(4)), row, outputs=tuple(range(10, 15)))   # a prompt page, a decode page
@@ -468,13 +468,13 @@ def test_chunks_that_land_together_are_announced_in_chain_order():
             for t in range(4):
                 req.decode(15 + 4 * step + t)
             assert mgr.offload_kv_cache(req)
-        assert len(mgr._ongoing) == 3
+        assert len(mgr._ledger.ongoing) == 3
         deadline = time.monotonic() + 30
-        while not stack.offloader.stats().in_flight_writes == 0 or len(mgr._landed) < 3:
-            mgr._landed.update(stack.offloader.finished_writes())   # collected, not settled
+        while not stack.offloader.stats().in_flight_writes == 0 or len(mgr._ledger.landed) < 3:
+            mgr._ledger.landed.update(stack.offloader.finished_writes())   # collected, not settled
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        assert list(mgr._landed) != sorted(mgr._landed)            # the old order: the set's
+        assert list(mgr._ledger.landed) != sorted(mgr._ledger.landed)            # the old order: the set's
         req.finish()
         mgr.check_offload_progress()                                # settles the three together
         while not mgr.idle() and time.monotonic() < deadline:

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from transfer import BadIndices, KVPool, synthetic_kv
+from transfer import BadIndices, KVPool
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 if hasattr(torch, "float8_e4m3fn"):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import hashing
-from transfer import StorageUnavailable, build_stack, synthetic_kv
+from transfer import StorageUnavailable, build_stack
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.errors import Closed, UnknownId
 from tests.support.transfer_helpers import drain
 

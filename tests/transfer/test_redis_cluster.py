@@ -110,7 +110,7 @@ def test_a_stack_reuses_a_prefix_through_the_cluster(redis_cluster):
         assert b.prefix_loader.start(1, tokens + [1, 2]) == n_pages
         (done,) = drain(b.prefix_loader.finished, 1)
         assert done.pages == n_pages and done.error is None
-        from transfer import synthetic_kv
+        from lifecycle_tools.testkit.kv_pattern import synthetic_kv
         want = synthetic_kv(b.kv_pool, 31, torch.arange(n_pages * PS))
         assert torch.equal(b.kv_pool.read(done.device_indices).view(torch.uint8), want.view(torch.uint8))
         b.allocator.free(done.device_indices)

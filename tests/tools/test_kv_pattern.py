@@ -1,4 +1,4 @@
-"""``transfer.synthetic_kv``: a pure function of (request, position) whose bytes are a fixed hash.
+"""``lifecycle_tools.testkit.kv_pattern.synthetic_kv``: a pure function of (request, position) whose bytes are a fixed hash.
 
 The simulator recomputes these bytes independently (``lifecycle_tools.simulate.kvdata``), and
 pages written by one process are verified by another, so the byte pattern itself is the contract:
@@ -9,7 +9,8 @@ byte ``o`` of token ``p`` of request ``r`` in (kind ``k``, layer ``l``) is bits 
 import pytest
 import torch
 
-from transfer import KVPool, synthetic_kv
+from transfer import KVPool
+from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 
 M32 = 0xFFFFFFFF
 
