@@ -58,6 +58,27 @@ def test_late_failure_while_open_does_not_extend_the_outage():
     assert b.retry_in() == pytest.approx(0.5)
 
 
+def test_a_late_success_while_open_does_not_end_the_outage():
+    """A call made before the breaker opened may answer after it did (a loaded node, a write that was
+    already on the wire): the tier is still down, so the breaker stays open, and the next failures
+    are the same outage — one ``storage.tier_down``, not two."""
+    clock = Clock()
+    b = CircuitBreaker("redis://x", base_backoff_s=1.0, clock=clock)
+    with capture_logs() as logs:
+        b.failure("refused")
+        b.success()                              # the late answer of a call made before the outage
+        assert b.state is BreakerState.OPEN and not b.allow()
+        assert b.retry_in() == pytest.approx(1.0)
+        b.failure("refused")
+        clock.t += 1.0
+        assert b.allow() and b.state is BreakerState.HALF_OPEN
+        b.success()                              # a probe answered: the outage ends
+    assert b.state is BreakerState.CLOSED
+    events = [e["event"] for e in logs]
+    assert events.count("storage.tier_down") == 1 and events.count("storage.tier_recovered") == 1
+    assert b.stats().outages == 1 and b.stats().successes == 2
+
+
 def test_threshold_counts_consecutive_failures_only():
     b = CircuitBreaker(failure_threshold=3, clock=Clock())
     b.failure("x")

@@ -144,7 +144,7 @@ def test_one_lookup_thread_a_hung_lookup_is_not_joined_by_another_nor_waited_for
     monkeypatch.setattr(s.storage, "batch_exists", first_hangs)
     loader = s.prefix_loader
     assert loader.lookup(tokens) == [] and loader.stats().timed_out == 1
-    loader.breaker.success()  # as after its backoff: the next lookup asks the tier again
+    time.sleep(loader.breaker.retry_in())  # after its backoff: the next lookup asks the tier again
     assert loader.lookup(tokens) == []  # queued behind the hung one on the one lookup thread
     assert loader.stats().timed_out == 2 and calls == [1]
     assert bounded(lambda: loader.close(timeout=2), limit=5.0) is True  # the hung lookup is abandoned

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import pytest
 import redis
@@ -170,7 +171,7 @@ def test_connection_cut_mid_reply_is_unavailable_and_leaves_no_partial_page(redi
     with pytest.raises(StorageUnavailable, match="unreachable"):
         s.batch_get(keys, out)
     assert (out[1] == 0).all() or (out[1] == 0xAB).all()  # the cut page: none of its bytes left
-    s.breaker.success()  # close the breaker (as a probe would after its backoff)
+    time.sleep(s.breaker.retry_in())  # after its backoff the next call is the probe that closes it
     out = filled(3, nb)
     assert s.batch_get(keys, out) == [True] * 3  # a fresh connection, nothing half-read on it
     assert all(torch.equal(a, b) for a, b in zip(pages, out)) and proxy.connections == 2

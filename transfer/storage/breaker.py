@@ -26,7 +26,11 @@ Contract for a caller guarding one operation on the tier::
 - ``failure()`` in CLOSED counts consecutive failures and opens at ``failure_threshold``. In OPEN
   it is counted but does not move ``retry_at`` (a late failure of a call made before the breaker
   opened must not extend the outage). In HALF_OPEN it reopens with twice the previous backoff.
-- ``success()`` in any state closes the breaker: the tier answered.
+- ``success()`` in CLOSED resets the count of consecutive failures; in HALF_OPEN (a probe answered)
+  it closes the breaker. In OPEN it is counted and changes nothing: no call is let through while
+  OPEN, so it is the late answer of a call made before the breaker opened, and it must not end the
+  outage (on a loaded node such a late success closed the breaker under a dead tier, and the next
+  failures logged a second ``storage.tier_down`` for one outage).
 - Logging: one ``warning`` (``storage.tier_down``) when the breaker opens after being closed, one
   ``info`` (``storage.tier_recovered``) when it closes after being open — one pair per outage,
   whatever the number of calls refused in between. ``stats()`` holds the counts.
@@ -118,12 +122,15 @@ class CircuitBreaker:
             return True
 
     def success(self) -> None:
-        """The tier answered: close (and log the recovery once if it was open)."""
+        """The tier answered: reset the failure count, or close after a probe (and log the recovery
+        once); a late answer while OPEN changes nothing (see the module docstring)."""
         if self._state is BreakerState.CLOSED and not self._consecutive:
             self._stats.successes += 1  # racy increment on the fast path is fine for a counter
             return
         with self._lock:
             self._stats.successes += 1
+            if self._state is BreakerState.OPEN:
+                return
             recovered = self._state is not BreakerState.CLOSED
             self._state, self._consecutive, self._backoff = BreakerState.CLOSED, 0, self.base_backoff_s
         if recovered:
