@@ -1,10 +1,21 @@
-"""Background worker threads: run submitted jobs off the caller's thread, report completions by poll."""
+"""Background worker threads: run submitted jobs off the caller's thread, report completions by poll.
+
+At interpreter exit, a job still running on a worker thread (a copy that ``close(timeout)`` left
+behind), and a thread of a closed worker still ending, get up to ``EXIT_GRACE_S`` seconds in all to
+return: Python stops its daemon threads when they next take the GIL, and one stopped inside a torch
+op (a C++ frame), or still tearing down torch's thread state while the interpreter's statics are
+destroyed, aborts the whole process ("terminate called without an active exception", SIGABRT) —
+seen when a node shut down with a CPU copy still running, and after ``close(0)``. A job stuck past
+the grace is still abandoned (the process then ends as before).
+"""
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +34,21 @@ class Done(msgspec.Struct, frozen=True):
 
 
 _STOP = object()
+EXIT_GRACE_S = 2.0
+_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _let_running_jobs_return() -> None:
+    """atexit: join the worker threads still running a job or still ending after ``close``,
+    ``EXIT_GRACE_S`` in all (an idle thread of an open worker waits for jobs forever: not joined)."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for worker in list(_WORKERS):
+        if worker._closed or worker._unfinished:
+            for t in worker._threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_let_running_jobs_return)
 
 
 class BackgroundWorker:
@@ -46,6 +72,7 @@ class BackgroundWorker:
         ]
         for t in self._threads:
             t.start()
+        _WORKERS.add(self)
 
     def _run(self) -> None:
         while True:
