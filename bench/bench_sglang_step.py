@@ -575,6 +575,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke run: 64/16 and 32/64, 1 pair, 24 steps")
     ap.add_argument("--json", metavar="PATH", help="also write every run's figures as JSON")
     args = ap.parse_args(argv)
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        release = version("sglang")
+    except PackageNotFoundError:
+        release = None
+    if release != "0.5.19":
+        print(f"bench_sglang_step: needs SGLang 0.5.19 (its own manager is what it measures), found {release}; "
+              "build the environment with `bash .ci/sglang-env VENV 0.5.19`", file=sys.stderr)
+        return 2
     if args.quick:
         args.configs, args.pairs, args.steps, args.output = "64/16,32/64", 1, 24, "32,96"
     configs = parse_configs(args.configs)
