@@ -155,6 +155,11 @@ class PageNames:
         """The first chunk page whose device page another live request holds under another name:
         ``(i, holder record)``, or None."""
         owner = self.owner
+        if len(keys) == 1:  # a one-page chunk (stride = page): one lookup
+            held = owner.get(keys[0])
+            if held is None or held == serial or held not in holders or self.name[keys[0]] == names[0]:
+                return None
+            return 0, holders[held]
         for i, key in enumerate(keys):
             held = owner.get(key)
             if held is not None and held != serial and held in holders and self.name[key] != names[i]:
@@ -167,6 +172,10 @@ class PageNames:
         if p is None or p[0] is not indices:
             return
         _, keys, serial, names = p
+        if len(keys) == 1:
+            self.owner[keys[0]] = serial
+            self.name[keys[0]] = names[0]
+            return
         owner, name = self.owner, self.name
         for key, n in zip(keys, names):
             owner[key] = serial
@@ -345,7 +354,7 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
         ledger = mgr._ledger
         if names is not None:
             ps = mgr.page_size  # each chunk page's device page: its first slot's
-            keys = range(lo // ps, hi // ps + 1) if run and not lo % ps else (a[::ps] // ps).tolist()
+            keys = (int(a[0]) // ps,) if n == ps else (a[::ps] // ps).tolist()
             hit = ledger.names.conflict(keys, serial, names, ledger.holders)
             if hit is not None:
                 i, holder = hit
