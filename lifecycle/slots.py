@@ -58,6 +58,16 @@ class SlotsInFlight:
         self.planned = None
         self.device: DeviceReads | None = None  # device rows' counts (made by their first chunk)
 
+    def plan(self, planned: tuple) -> None:
+        """Leave the ids ``check_slots`` checked for the chunk's commit (``add``)."""
+        self.planned = planned
+
+    def device_reads(self, like: torch.Tensor, page_size: int, end: int) -> "DeviceReads":
+        """The device rows' counts (made by their first chunk)."""
+        if self.device is None:
+            self.device = DeviceReads(like, page_size, end)
+        return self.device
+
     def add(self, ack: int, indices) -> None:
         """Count the copy ``ack`` reading ``indices`` (the tensor its plan checked)."""
         p = self.planned
@@ -165,6 +175,10 @@ class PageNames:
             if held is not None and held != serial and held in holders and self.name[key] != names[i]:
                 return i, holders[held]
         return None
+
+    def plan(self, planned: tuple) -> None:
+        """Leave the chunk ``check_slots`` checked (indices, keys, serial, names) for its commit."""
+        self.planned = planned
 
     def add(self, indices) -> None:
         """The chunk checked last (its ``indices``) was committed: its pages are held under its names."""
@@ -275,9 +289,7 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
         indices.masked_fill_(bad, -1)
         return
     reading = mgr._ledger.reading
-    dev = reading.device
-    if dev is None:
-        dev = reading.device = DeviceReads(indices, ps, end)
+    dev = reading.device_reads(indices, ps, end)
     held = dev.held(mgr.token_to_kv_pool_allocator, indices.device, mgr._alloc_page)
     bad, pages = check_chunk_on_device(indices, ps, end, dev.counts, held, mgr._alloc_page)
     indices.masked_fill_(bad, -1)
@@ -363,8 +375,8 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
                     f"{_span(ranges)}, on a device page request {holder.rid!r} holds under another page name "
                     f"({ledger.names.name[keys[i]]} there, {names[i]} here): its KV would be stored "
                     f"under this request's name")
-            ledger.names.planned = (indices, keys, serial, names)
-        ledger.reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
+            ledger.names.plan((indices, keys, serial, names))
+        ledger.reading.plan((indices, s, lo, hi, run, run))  # a run: read() saw every count at 0
     return s, left_out
 
 
