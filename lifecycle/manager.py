@@ -495,8 +495,3 @@ class DecodeOffloadManager(CallGate):
         except LifecycleError as err:
             self._emit(rec.log.error, audit.REFUSED, trigger="release", state=rec.state.name, reason=str(err))
             refused.append(err)
-
-    def __deepcopy__(self, memo) -> "DecodeOffloadManager":
-        """An independent copy, requests included (``lifecycle.table.deep_copy``): the model check
-        explores what-if orderings on copies."""
-        return table.deep_copy(self, memo)
