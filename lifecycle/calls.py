@@ -35,6 +35,10 @@ class CallGate:
         self._gate = BUSY
         self._debug = self._log.is_enabled_for(logging.DEBUG)
 
+    def _close_gate(self) -> None:
+        """``shutdown``: no call is accepted from now on (``ManagerClosed``)."""
+        self._gate = CLOSED
+
     def _leave(self) -> None:
         self._gate = None
         if self._logs:
@@ -124,7 +128,7 @@ def shutdown(mgr, force: bool, timeout_s: float):
                       why="a copy may still read these slots: they stay allocated, never reused")
     finally:
         mgr._leave()
-    mgr._gate = CLOSED
+    mgr._close_gate()
     close = getattr(mgr.offloader, "close", None)
     if callable(close):
         params = inspect.signature(close).parameters

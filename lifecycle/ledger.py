@@ -158,6 +158,10 @@ class Ledger:
         self.leaked += 1
         return rec
 
+    def allocated(self, rec: Record, slots: int) -> None:
+        """The request holds ``slots`` KV slots now (named by the leak report if it is dropped)."""
+        rec.slots = slots
+
     def transition(self, source: str, dest: str, trigger: str) -> None:
         """A state change (the machine's ``before_state_change``): per-state and per-trigger counts."""
         by_state = self.by_state

@@ -131,7 +131,7 @@ class DecodeOffloadManager(CallGate):
         n_out = len(req.output_ids)
         if n_out == 0:
             return False
-        rec.slots = kv.kv_allocated_len  # for the leak report, should the request be dropped
+        self._ledger.allocated(rec, kv.kv_allocated_len)  # for the leak report, should the request be dropped
         n_in = len(req.origin_input_ids)
         new = n_in + n_out - 1 - (n_in - n_in % self.page_size) - rec.offload.inc_len
         if new < self.offload_stride:
@@ -495,8 +495,3 @@ class DecodeOffloadManager(CallGate):
         except LifecycleError as err:
             self._emit(rec.log.error, audit.REFUSED, trigger="release", state=rec.state.name, reason=str(err))
             refused.append(err)
-
-    def __deepcopy__(self, memo) -> "DecodeOffloadManager":
-        """An independent copy, requests included (``lifecycle.table.deep_copy``): the model check
-        explores what-if orderings on copies."""
-        return table.deep_copy(self, memo)

@@ -58,6 +58,16 @@ class SlotsInFlight:
         self.planned = None
         self.device: DeviceReads | None = None  # device rows' counts (made by their first chunk)
 
+    def plan(self, planned: tuple) -> None:
+        """Leave the ids ``check_slots`` checked for the chunk's commit (``add``)."""
+        self.planned = planned
+
+    def device_reads(self, like: torch.Tensor, page_size: int, end: int) -> "DeviceReads":
+        """The device rows' counts (made by their first chunk)."""
+        if self.device is None:
+            self.device = DeviceReads(like, page_size, end)
+        return self.device
+
     def add(self, ack: int, indices) -> None:
         """Count the copy ``ack`` reading ``indices`` (the tensor its plan checked)."""
         p = self.planned
@@ -155,11 +165,20 @@ class PageNames:
         """The first chunk page whose device page another live request holds under another name:
         ``(i, holder record)``, or None."""
         owner = self.owner
+        if len(keys) == 1:  # a one-page chunk (stride = page): one lookup
+            held = owner.get(keys[0])
+            if held is None or held == serial or held not in holders or self.name[keys[0]] == names[0]:
+                return None
+            return 0, holders[held]
         for i, key in enumerate(keys):
             held = owner.get(key)
             if held is not None and held != serial and held in holders and self.name[key] != names[i]:
                 return i, holders[held]
         return None
+
+    def plan(self, planned: tuple) -> None:
+        """Leave the chunk ``check_slots`` checked (indices, keys, serial, names) for its commit."""
+        self.planned = planned
 
     def add(self, indices) -> None:
         """The chunk checked last (its ``indices``) was committed: its pages are held under its names."""
@@ -167,6 +186,10 @@ class PageNames:
         if p is None or p[0] is not indices:
             return
         _, keys, serial, names = p
+        if len(keys) == 1:
+            self.owner[keys[0]] = serial
+            self.name[keys[0]] = names[0]
+            return
         owner, name = self.owner, self.name
         for key, n in zip(keys, names):
             owner[key] = serial
@@ -266,9 +289,7 @@ def check_device_chunk(mgr, indices: torch.Tensor) -> None:
         indices.masked_fill_(bad, -1)
         return
     reading = mgr._ledger.reading
-    dev = reading.device
-    if dev is None:
-        dev = reading.device = DeviceReads(indices, ps, end)
+    dev = reading.device_reads(indices, ps, end)
     held = dev.held(mgr.token_to_kv_pool_allocator, indices.device, mgr._alloc_page)
     bad, pages = check_chunk_on_device(indices, ps, end, dev.counts, held, mgr._alloc_page)
     indices.masked_fill_(bad, -1)
@@ -345,7 +366,7 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
         ledger = mgr._ledger
         if names is not None:
             ps = mgr.page_size  # each chunk page's device page: its first slot's
-            keys = range(lo // ps, hi // ps + 1) if run and not lo % ps else (a[::ps] // ps).tolist()
+            keys = (int(a[0]) // ps,) if n == ps else (a[::ps] // ps).tolist()
             hit = ledger.names.conflict(keys, serial, names, ledger.holders)
             if hit is not None:
                 i, holder = hit
@@ -354,8 +375,8 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
                     f"{_span(ranges)}, on a device page request {holder.rid!r} holds under another page name "
                     f"({ledger.names.name[keys[i]]} there, {names[i]} here): its KV would be stored "
                     f"under this request's name")
-            ledger.names.planned = (indices, keys, serial, names)
-        ledger.reading.planned = (indices, s, lo, hi, run, run)  # a run: read() saw every count at 0
+            ledger.names.plan((indices, keys, serial, names))
+        ledger.reading.plan((indices, s, lo, hi, run, run))  # a run: read() saw every count at 0
     return s, left_out
 
 

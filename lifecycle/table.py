@@ -1,11 +1,10 @@
-"""The ownership registries that stop two managers from driving one request or one offloader, the
-records' weak-reference callback, and the model checker's deep copy of a manager. The record table
-itself (one ``Record`` per live request, keyed by identity, held weakly) is the ledger's
-(``lifecycle.ledger``)."""
+"""The ownership registries that stop two managers from driving one request or one offloader, and
+the records' weak-reference callback. The record table itself (one ``Record`` per live request,
+keyed by identity, held weakly) is the ledger's (``lifecycle.ledger``); the model checker's deep
+copy of a manager is the test kit's (``lifecycle_tools.testkit.model_copy``)."""
 
 from __future__ import annotations
 
-import copy
 import weakref
 from collections import deque
 
@@ -113,50 +112,3 @@ class Offloaders:
 
 
 OFFLOADERS = Offloaders()
-
-
-def deep_copy(mgr, memo):
-    """An independent copy of ``mgr`` and everything it refers to, requests included.
-
-    Records are re-keyed to the copied requests (they are keyed by identity, weakly), so a copy
-    can be driven on its own: used to explore what-if orderings (the bounded model check).
-    The logger (and its rate limiter), clock, TP group and ownership registry are shared.
-    """
-    new = object.__new__(type(mgr))
-    memo[id(mgr)] = new
-    shared = {"_log", "_alerts", "_clock", "tp_group", "_owners"}  # the ledger: copied below
-    for key in shared:
-        new.__dict__[key] = mgr.__dict__[key]
-    old = mgr._ledger
-    ledger = object.__new__(type(old))
-    memo[id(old)] = ledger
-    ledger.dropped = deque()
-    ledger.on_drop = drop_callback(ledger.dropped, OWNERS)
-    ledger.records = {}
-    for rec in list(old.records.values()):
-        req = rec.ref()
-        if req is None:
-            continue
-        twin = copy.deepcopy(req, memo)
-        clone = msgspec.structs.replace(
-            rec, ref=weakref.KeyedRef(twin, ledger.on_drop, id(twin)),
-            offload=msgspec.structs.replace(rec.offload),
-        )
-        memo[id(rec)] = clone
-        ledger.records[id(twin)] = clone
-    ledger.logger = old.logger
-    ledger.holders = {serial: memo[id(rec)] for serial, rec in old.holders.items() if id(rec) in memo}
-    for key, value in old.__dict__.items():
-        if key not in ("records", "dropped", "on_drop", "logger", "holders"):
-            ledger.__dict__[key] = copy.deepcopy(value, memo)
-    new._ledger = ledger
-    for key, value in mgr.__dict__.items():
-        if key not in shared and key != "_ledger":
-            new.__dict__[key] = copy.deepcopy(value, memo)
-    if not new.closed:
-        OFFLOADERS.claim(new.offloader, new)  # the copy owns the copied offloader
-    for rec in ledger.records.values():
-        req = rec.ref()
-        if req is not None and rec.state is not _RELEASED:
-            OWNERS.claim(req, new, rec.ref)
-    return new

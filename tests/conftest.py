@@ -10,11 +10,12 @@ from lifecycle_tools.testkit.redis_server import make_redis_server, redis_sessio
 class Node:
     """A manager wired to strict doubles and an in-memory offloader, for one test."""
 
-    def __init__(self, page_size=4, stride=None, auto_land=False, host_pages=1 << 12, seed=None, alloc_page=None):
+    def __init__(self, page_size=4, stride=None, auto_land=False, host_pages=1 << 12, seed=None, alloc_page=None,
+                 manager_cls=DecodeOffloadManager):
         self.pool = ReqToTokenPool()
         self.alloc = PagedAllocator(page_size=alloc_page or page_size)
         self.off = InMemoryOffloader(page_size=page_size, host_pages=host_pages, auto_land=auto_land)
-        self.mgr = DecodeOffloadManager(
+        self.mgr = manager_cls(
             self.pool, self.alloc, page_size=page_size, offloader=self.off,
             offload_stride=stride, namespace_seed=seed,
         )

@@ -27,6 +27,7 @@ import pytest
 
 from lifecycle import ConfigError, DecodeOffloadManager, InvalidTransition, LifecycleError, ReentrantCall, State
 from lifecycle_tools.testkit.doubles import ROWS, PagedAllocator, Pools, Req, TrackingOffloader
+from lifecycle_tools.testkit.model_copy import CopyableManager
 
 RUNNING = (None, State.PREFILLED, State.INFLIGHT)
 
@@ -60,7 +61,7 @@ class World:
         w = cls(cfg)
         w.off = TrackingOffloader(page_size=cfg.page_size, host_pages=cfg.host_pages, auto_land=False)
         w.pools = Pools(cfg.page_size, w.off)
-        w.mgr = DecodeOffloadManager(w.pools, w.pools, page_size=cfg.page_size, offloader=w.off)
+        w.mgr = CopyableManager(w.pools, w.pools, page_size=cfg.page_size, offloader=w.off)
         for i in range(cfg.requests):
             w.reqs.append(Req(f"r{i}", range(10 * i, 10 * i + cfg.prompt + i), w.pools.alloc_row(), spec=cfg.spec))
         w.chunks = [0] * cfg.requests

@@ -1,11 +1,12 @@
-"""``lifecycle.table``: the record table and the ownership registries, and ``deep_copy`` (the
-manager's ``__deepcopy__``): an independent manager over copied requests that can be driven on its
-own — the bounded model check explores what-if orderings on such copies.
+"""``lifecycle.table``: the ownership registries, the ledger's record table as a manager uses it, and
+the test kit's ``deep_copy`` (``lifecycle_tools.testkit.model_copy.CopyableManager.__deepcopy__``):
+an independent manager over copied requests that can be driven on its own — the bounded model
+check explores what-if orderings on such copies.
 
-``DecodeOffloadManager.__deepcopy__`` promises "an independent copy, requests included": the copy's
-records are keyed by the copied requests, its copies in flight refer to its own records, driving it
-leaves the original as it was (and the other way round), the copy owns its live requests and its
-copied offloader, and the logger, clock, TP group, machine and ownership registry are shared.
+The deep copy promises "an independent copy, requests included": the copy's records are keyed by
+the copied requests, its copies in flight refer to its own records, driving it leaves the original
+as it was (and the other way round), the copy owns its live requests and its copied offloader, and
+the logger, clock, TP group, machine and ownership registry are shared.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import pytest
 
 from lifecycle import ConfigError, DecodeOffloadManager, State
 from lifecycle import table
+from lifecycle_tools.testkit.model_copy import CopyableManager
 from lifecycle_tools.testkit.doubles import Req
 from tests.conftest import Node
 
 
 def node_with_three():
     """'a' INFLIGHT (ack 1), 'b' PREFILLED, 'c' RELEASED."""
-    node = Node(page_size=4)
+    node = Node(page_size=4, manager_cls=CopyableManager)
     a, b, c = Req("a", range(4), row=0), Req("b", range(4), row=1), Req("c", range(4), row=2, finished=True)
     for i in range(4):
         a.decode(i)
@@ -40,7 +42,7 @@ def test_a_copy_is_a_manager_over_copied_requests_driven_on_its_own():
     node, a, b, c = node_with_three()
     mgr = node.mgr
     twin, a2, b2, c2 = copy.deepcopy((mgr, a, b, c))
-    assert type(twin) is DecodeOffloadManager and twin is not mgr
+    assert type(twin) is CopyableManager and twin is not mgr
     assert all(x is not y for x, y in ((a, a2), (b, b2), (c, c2)))
     # the copy knows the copied requests, in the same states, and not the originals
     assert states(twin, a2, b2, c2) == [State.INFLIGHT, State.PREFILLED, State.RELEASED]
@@ -90,7 +92,7 @@ def test_a_copy_owns_its_live_requests_and_its_offloader():
 
 
 def test_a_copy_of_a_closed_manager_is_closed_and_claims_no_offloader():
-    node = Node(page_size=4)
+    node = Node(page_size=4, manager_cls=CopyableManager)
     node.mgr.shutdown()
     twin = copy.deepcopy(node.mgr)
     assert twin.closed
@@ -132,7 +134,7 @@ def test_one_memo_copies_the_manager_once():
 
 def test_a_new_ownership_registry_starts_empty_and_tracks_claims():
     owners, offloaders = table.Owners(), table.Offloaders()
-    node = Node(page_size=4)
+    node = Node(page_size=4, manager_cls=CopyableManager)
     req = Req("r", range(4), row=0)
     assert owners.owner(req) is None
     owners.check(req, node.mgr)                            # nobody holds it: fine
@@ -144,7 +146,7 @@ def test_a_new_ownership_registry_starts_empty_and_tracks_claims():
     assert owners.owner(req) is None
     offloaders.claim(node.off, node.mgr)                   # a fresh registry: no other claim
     offloaders.claim(node.off, node.mgr)                   # the same manager again: fine
-    other = Node(page_size=4)
+    other = Node(page_size=4, manager_cls=CopyableManager)
     with pytest.raises(ConfigError, match="already serves another"):
         offloaders.claim(node.off, other.mgr)
 
@@ -162,7 +164,7 @@ def test_what_refers_back_to_the_manager_refers_to_the_copy_in_the_copy():
 def test_a_record_whose_request_is_gone_is_not_found_for_an_object_reusing_its_id():
     """``lookup`` answers for the object it is given: a record keyed by an id its own request no
     longer has (the id reused by another object) is nobody's record."""
-    node = Node(page_size=4)
+    node = Node(page_size=4, manager_cls=CopyableManager)
     a, b = Req("a", range(4), row=0), Req("b", range(4), row=1)
     node.mgr.offload_kv_cache(a)
     node.mgr._ledger.records[id(b)] = node.mgr._ledger.records[id(a)]   # as if b had a's id after a was dropped
@@ -190,7 +192,7 @@ def test_draining_a_drop_retires_only_the_record_that_ref_belongs_to():
 
 
 def test_a_record_left_under_a_reused_id_is_retired_as_leaked_when_the_new_request_is_seen():
-    node = Node(page_size=4)
+    node = Node(page_size=4, manager_cls=CopyableManager)
     a, b = Req("a", range(4), row=0), Req("b", range(4), row=1)
     import weakref
 
