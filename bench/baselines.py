@@ -68,7 +68,7 @@ class PlainDictManager:
         return True
 
     def check_offload_progress(self):
-        for ack in self.off.finished_writes():
+        for ack in self.off.finished_writes().landed:
             req, host, tokens, hashes = self.ongoing.pop(ack)
             left = self.inflight[req] - 1
             if left:
@@ -134,7 +134,7 @@ class AsWrittenManager(PlainDictManager):
         return True
 
     def check_offload_progress(self):
-        for ack in self.off.finished_writes():
+        for ack in self.off.finished_writes().landed:
             req, host, tokens, _ = self.ongoing.pop(ack)
             left = self.inflight[req] - 1
             if left:

@@ -41,6 +41,7 @@ structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.
 
 from bench.baselines import AsWrittenManager, PlainDictManager  # noqa: E402
 from lifecycle import DecodeOffloadManager  # noqa: E402
+from transfer.offloader import EMPTY_REPORT, WriteReport  # noqa: E402
 
 
 class KV:
@@ -92,10 +93,12 @@ class Offloader:
         return self.host[: device_indices.numel()]
 
     def finished_writes(self):
+        if not self.writes:
+            return EMPTY_REPORT
         out, self.writes = self.writes, []
-        return out
+        return WriteReport(out, [], [])
 
-    def write_storage(self, host_indices, tokens, page_hashes):
+    def write_storage(self, host_indices, tokens, page_hashes, parent_hash=None):
         self.next_op += 1
         self.ops.append(self.next_op)
         return self.next_op
@@ -105,6 +108,9 @@ class Offloader:
         return out
 
     def free_host(self, host_indices):
+        pass
+
+    def close(self, timeout):
         pass
 
 

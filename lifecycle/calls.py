@@ -6,7 +6,6 @@ call's state is consistent (a log processor that calls back into the manager fin
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import math
 import time
@@ -129,13 +128,9 @@ def shutdown(mgr, force: bool, timeout_s: float):
     finally:
         mgr._leave()
     mgr._close_gate()
-    close = getattr(mgr.offloader, "close", None)
-    if callable(close):
-        params = inspect.signature(close).parameters
-        name = next((n for n in ("timeout", "timeout_s") if n in params), None)
-        report = close(**{name: max(0.0, deadline - time.monotonic())}) if name else close()
-        if getattr(report, "clean", True) is False:
-            mgr._log.error(audit.ABANDONED, pending=str(report))
+    report = mgr.offloader.close(max(0.0, deadline - time.monotonic()))  # the protocol's close(timeout)
+    if getattr(report, "clean", True) is False:  # a CloseReport (HostOffloader), None, or anything
+        mgr._log.error(audit.ABANDONED, pending=str(report))
     return pending
 
 

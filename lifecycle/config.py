@@ -9,7 +9,7 @@ import torch
 
 from lifecycle.errors import ConfigError
 
-OFFLOADER_METHODS = ("write", "finished_writes", "write_storage", "finished_storage", "free_host")
+OFFLOADER_METHODS = ("write", "finished_writes", "write_storage", "finished_storage", "free_host", "close")
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}\Z")
 
 
@@ -66,7 +66,8 @@ def pools(req_to_token_pool, allocator, page_size: int) -> int:
 
 
 def offloader(obj) -> None:
-    """The offloader must exist and have the ``transfer.Offloader`` methods."""
+    """The offloader must exist and have every method of the ``transfer.Offloader`` protocol
+    (checked once, here: the manager never probes for a method afterwards)."""
     if obj is None:
         raise ConfigError("no offloader: pass offloader=, or use DecodeOffloadManager.from_stack(build_stack(...))")
     missing = [m for m in OFFLOADER_METHODS if not callable(getattr(obj, m, None))]

@@ -97,6 +97,7 @@ class Ledger:
         self.landed: set[int] = set()   # reported by the offloader, not yet settled
         self.stored: set[int] = set()
         self.failed: set[int] = set()   # landed acks whose copy failed (never stored)
+        self.expiring: list[int] = []   # reported expired by the offloader, not yet settled
         self.expired: dict[int, Quarantine] = {}  # copies past their deadline, maybe still reading
         self.reading = SlotsInFlight()  # per device slot: copies (expired ones too) still reading it
         self.names = PageNames()  # per device page: the page name a live request offloaded it under
@@ -212,12 +213,20 @@ class Ledger:
         self.chunks += 1
         self.pages += len(chunk.page_hashes)
 
-    def collect(self, landed, failed, stored) -> None:
-        """Completions the offloader reported (``failed``: a subset of ``landed``), not settled."""
+    def collect(self, landed, failed, stored, expired=()) -> None:
+        """Completions the offloader reported (``failed``: a subset of ``landed``; ``expired``:
+        copies past their deadline, settled first by the next progress check), not settled."""
         self.landed.update(landed)
         if failed:
             self.failed.update(failed)
+        if expired:
+            self.expiring.extend(expired)
         self.stored.update(stored)
+
+    def take_expiring(self) -> list[int]:
+        """The expiries collected and not yet settled, in report order (the list is emptied)."""
+        out, self.expiring = self.expiring, []
+        return out
 
     def expire(self, ack: int) -> Chunk | None:
         """The copy ``ack`` passed its deadline: no longer in flight, its slots quarantined (still

@@ -86,9 +86,6 @@ class DecodeOffloadManager(CallGate):
         self._alerts = RateLimitedLog(self._log, demote=True)  # per-op warnings: bounded lines, all at DEBUG
         self._owners = table.OWNERS
         self._ledger = Ledger(self._owners, self._log)  # every datum of the bookkeeping, one owner
-        self._poll_expired = getattr(offloader, "expired_writes", None)
-        self._poll_failed = getattr(offloader, "failed_writes", None)
-        self._store_parent = getattr(offloader, "stores_parent_hash", False) is True  # KV events' parent link
         self._slot_end = slot_end(offloader, token_to_kv_pool_allocator)  # device pool's slots (None: unknown)
         table.OFFLOADERS.claim(offloader, self)
 
@@ -460,12 +457,12 @@ class DecodeOffloadManager(CallGate):
                 (after settling the rest; the request stays FINISHED for a retry).
         """
         refused = []
-        if self._poll_expired is not None:
-            for ack in self._poll_expired():
+        settle.collect(self)  # one finished_writes poll: landed / failed / expired
+        if self._ledger.expiring:
+            for ack in self._ledger.take_expiring():
                 chunk = settle.expired(self, ack)
                 if chunk is not None and not chunk.rec.inflight:
                     self._copies_ended(chunk.rec, chunk.req, refused)
-        settle.collect(self)
         due = self._ledger.settleable(settle.agreement(self.tp_group))
         for q in due.ended:
             settle.expired_ended(self, q)

@@ -25,12 +25,14 @@ def expired(mgr, ack: int) -> Chunk | None:
 
 
 def collect(mgr) -> None:
-    """Move the landings, failures and finished storage ops the offloader reports into the
-    ledger's unsettled sets (``stats().unsettled``); settles nothing."""
+    """Move what the offloader reports (one ``finished_writes`` poll: landed / failed / expired
+    copies; the finished storage ops) into the ledger's unsettled sets (``stats().unsettled``;
+    the expiries wait for the next progress check); settles nothing."""
     off = mgr.offloader
-    landed = off.finished_writes()
-    failed = mgr._poll_failed() if mgr._poll_failed is not None else ()  # a subset of landed
-    mgr._ledger.collect(landed, failed, off.finished_storage())
+    report = off.finished_writes()
+    failed = report.failed
+    ended = report.landed + failed if failed else report.landed  # the ledger's failed: a subset of ended
+    mgr._ledger.collect(ended, failed, off.finished_storage(), report.expired)
 
 
 def landed(mgr, ack: int) -> Chunk:
@@ -43,10 +45,7 @@ def landed(mgr, ack: int) -> Chunk:
         return chunk
     op_id = None
     try:
-        if mgr._store_parent:
-            op_id = mgr.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes, chunk.parent_hash)
-        else:
-            op_id = mgr.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes)
+        op_id = mgr.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes, chunk.parent_hash)
     except Exception as err:
         mgr._emit(rec.log.error, audit.CHUNK_LANDED, ack_id=ack, error=repr(err))
         mgr.offloader.free_host(chunk.host)

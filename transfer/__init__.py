@@ -22,7 +22,7 @@ from transfer.errors import (
 from transfer.host_offloader import HostOffloader, OffloaderStats
 from transfer.host_pool import HostPool
 from transfer.kv_pool import KVPool
-from transfer.offloader import Offloader
+from transfer.offloader import EMPTY_REPORT, Offloader, WriteReport
 from transfer.prefix import PrefixLoad, PrefixLoader
 from transfer.req_pool import ReqToTokenPool
 from transfer.stack import TransferStack, build_stack
@@ -45,6 +45,8 @@ __all__ = [
     "MemoryStorage",
     "NotAllocated",
     "Offloader",
+    "EMPTY_REPORT",
+    "WriteReport",
     "OffloaderStats",
     "PageSizeMismatch",
     "PinningFailed",

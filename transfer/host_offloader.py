@@ -7,10 +7,10 @@ only run jobs and append to completion deques, so the caller is never blocked on
 Storage failures (ENOSPC, EACCES, EIO ...) are logged, counted and reported as finished ops; the
 host pages stay the caller's, to be returned with ``free_host`` as the protocol says.
 
-Copy faults. A copy that raises is still reported once by ``finished_writes`` and also listed by
-``failed_writes`` (its host pages are poisoned: never stored). With ``write_timeout_s`` a copy still
-running that long after submission is *expired*: listed once by ``expired_writes`` and poisoned, but
-its device slots may still be read until ``finished_writes`` reports it (a copy cannot be
+Copy faults. A copy that raises is reported once by ``finished_writes`` as failed (its host pages
+are poisoned: never stored). With ``write_timeout_s`` a copy still running that long after
+submission is *expired*: reported once as expired and poisoned, but its device slots may still be
+read until ``finished_writes`` reports it failed (a copy cannot be
 cancelled, on a worker thread or on a CUDA stream), so the caller keeps them until then.
 
 Scheduler-thread cost. ``write`` and the polls are on the decode loop's critical path: page
@@ -41,6 +41,7 @@ from transfer.host_pool import HostPool
 from transfer.indices import as_index_tensor, check_device_indices, on_host, pages_of_slots, slots_of_pages
 from transfer.kv_pool import KVPool
 from transfer.log import RateLimitedLog, get_logger
+from transfer.offloader import EMPTY_REPORT, WriteReport
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport, check_timeout
 from transfer.storage.base import Storage
 from transfer.worker import BackgroundWorker
@@ -88,7 +89,7 @@ class HostOffloader:
         copy_engine: default ``make_copy_engine(kv_pool.device)``.
         storage_threads: storage worker threads.
         write_timeout_s: a copy not finished this many seconds after ``write`` submitted it is
-            reported by ``expired_writes`` (None: never).
+            reported expired by ``finished_writes`` (None: never).
         clock: monotonic seconds, for deadlines and log intervals (tests inject a fake one).
         backpressure_log_interval_s: at most one ``offloader.host_exhausted`` warning per this
             many seconds, carrying the count of writes rejected since the previous one.
@@ -105,8 +106,6 @@ class HostOffloader:
     to ``write_storage`` and removes them at ``free_host``. The storage tier's own hook is
     ``storage.events``; ``write_storage`` declares the pages' tokens and parent to it.
     """
-
-    stores_parent_hash = True  # write_storage takes ``parent_hash`` (the manager passes it)
 
     def __init__(
         self,
@@ -137,7 +136,7 @@ class HostOffloader:
         self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
         self._expired_acks: set[int] = set()  # expired (discarded ones included), copy not yet ended
-        self._discarded: set[int] = set()  # discarded, not yet listed by expired_writes
+        self._discarded: set[int] = set()  # discarded, not yet reported expired
         self._failed_writes: list[int] = []
         self._ops: dict[int, list[int]] = {}  # storage op -> host pages
         self._op_ids = itertools.count(1)
@@ -165,7 +164,7 @@ class HostOffloader:
         Slot ids in host memory are checked here. Slot ids on a device (``req_to_token`` on CUDA)
         are never read on the calling thread: their shape is checked here, their values where the
         copy runs, and a chunk that is not whole aligned pages inside the pool is a failed copy
-        (``failed_writes``), not a ``BadIndices`` (docs/architecture.md, "Streams").
+        (reported failed by ``finished_writes``), not a ``BadIndices`` (docs/architecture.md, "Streams").
 
         Raises:
             Closed: after ``close``. UnknownId: ``ack_id`` already pending.
@@ -195,7 +194,7 @@ class HostOffloader:
             self._rejected_run = 0
         # the copy runs later: never read the caller's own buffer then
         if on_device:  # a device-side copy; the values (whole aligned pages in the pool) are checked
-            # where the copy runs: a bad chunk fails its copy (failed_writes, nothing stored)
+            # where the copy runs: a bad chunk fails its copy (reported failed, nothing stored)
             slots, check = device_indices.to(torch.int64, copy=True), {"check_end": self.kv.slots}
         else:
             slots, check = (torch.from_numpy(view.copy()) if slots is device_indices else slots), {}
@@ -228,10 +227,24 @@ class HostOffloader:
             self._bp_unlogged = 0
             self._bp_next_log = now + self._bp_interval
 
-    def finished_writes(self) -> list[int]:
+    def finished_writes(self) -> WriteReport:
         """See ``Offloader.finished_writes``. A copy that raised, or that had expired, is reported
-        too, listed by ``failed_writes``, and its pages poisoned: a later ``write_storage`` of them
-        fails without writing."""
+        failed and its pages poisoned: a later ``write_storage`` of them fails without writing.
+        Deadlines are checked first, then the copies that ended: an ack past its deadline (or
+        discarded) and ended by this poll is in ``expired`` and ``failed`` of the same report."""
+        expired = self._poll_expired() if self._deadlines else None
+        ended = self._poll_ended()
+        failed = self._failed_writes
+        if failed:
+            self._failed_writes = []
+            bad = set(failed)
+            ended = [a for a in ended if a not in bad]
+        elif not ended and not expired:
+            return EMPTY_REPORT
+        return WriteReport(ended, failed, expired or [])
+
+    def _poll_ended(self) -> list[int]:
+        """Acks whose copy ended since the last poll (the failed ones too)."""
         out = []
         for done in self.engine.poll():
             tag = done.tag
@@ -252,7 +265,7 @@ class HostOffloader:
     def _landed_bad(self, tag: int, pages: list[int], error: BaseException | None) -> None:
         expired = tag in self._expired_acks
         self._expired_acks.discard(tag)
-        self._discarded.discard(tag)  # discarded and ended before expired_writes listed it
+        self._discarded.discard(tag)  # discarded and ended before a poll reported it expired
         self._poisoned.update(pages)
         if error is not None:
             self._stats.copy_failures += 1
@@ -261,20 +274,10 @@ class HostOffloader:
             self._oplog.warning("offloader.expired_copy_ended", ack_id=tag)
         self._failed_writes.append(tag)
 
-    def failed_writes(self) -> list[int]:
-        """Optional extension (see ``transfer.offloader``): ack ids reported by ``finished_writes``
-        since the last call whose host pages must not be stored, because the copy raised or had
-        expired. Each is reported once; its host pages are the caller's to ``free_host``."""
-        out, self._failed_writes = self._failed_writes, []
-        return out
-
-    def expired_writes(self) -> list[int]:
-        """Optional extension (see ``transfer.offloader``): ack ids whose copy passed
-        ``write_timeout_s`` since submission without finishing, since the last call; each once.
-
-        The copy may still be reading its device slots: keep them until ``finished_writes``
-        reports the same ack (then it is also in ``failed_writes``). Never blocks.
-        """
+    def _poll_expired(self) -> list[int]:
+        """Acks whose copy passed ``write_timeout_s`` since submission without finishing (or was
+        discarded), since the last poll; each once. The copy may still be reading its device
+        slots: the same ack is reported failed when it ends."""
         out = []
         if not self._deadlines:
             return out
@@ -297,9 +300,8 @@ class HostOffloader:
     def discard_write(self, ack_id: int) -> None:
         """The caller gave up on a copy still in flight (its device slots are being freed under it,
         by someone else): whatever it lands is worthless. The copy is not cancelled (it cannot be):
-        it is expired at once — listed by the next ``expired_writes``, its host pages poisoned
-        (never stored) — and when it ends it is reported by ``finished_writes`` and listed by
-        ``failed_writes``, as an expired copy is. Counted in ``copies_discarded`` (not in
+        it is expired at once — reported expired by the next ``finished_writes``, its host pages
+        poisoned (never stored) — and when it ends it is reported failed, as an expired copy is. Counted in ``copies_discarded`` (not in
         ``copy_expired``); a second call for the same ack changes nothing.
 
         Raises:
@@ -310,7 +312,7 @@ class HostOffloader:
             raise UnknownId(f"ack id {ack_id} is not a copy in flight")
         if ack_id in self._expired_acks or ack_id in self._discarded:
             return
-        self._deadlines[ack_id] = float("-inf")  # expired at the next expired_writes
+        self._deadlines[ack_id] = float("-inf")  # expired at the next finished_writes
         self._discarded.add(ack_id)
         self._poisoned.update(entry[0])
         self._stats.copies_discarded += 1

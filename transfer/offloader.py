@@ -4,36 +4,47 @@ The lifecycle manager decides *what* to copy and *when* to free; an ``Offloader`
 bytes move. Work is named by ids the caller chooses (ack ids) or the offloader returns (op ids),
 and completions are polled, never waited on.
 
-Optional extensions (not part of the ``Offloader`` protocol: an offloader may lack them, so a caller
-looks them up with ``getattr(offloader, name, None)``; ``HostOffloader`` has both). They add
-information and change no contract of the protocol's methods:
+The contract is the ``Offloader`` protocol below, all of it: the manager checks once, at
+construction, that an offloader has every method (``ConfigError`` naming the missing ones) and
+never probes for optional parts afterwards. A copy's outcome comes back in one poll,
+``finished_writes() -> WriteReport``, with three lists:
 
-``expired_writes() -> list[int]``
-    Ack ids whose device -> host copy has not finished ``write_timeout_s`` after it was submitted,
-    since the last call; each ack at most once, never one already reported by
-    ``finished_writes``. Never blocks. An expired copy is not cancelled and may *still be reading
-    its device slots*: the caller must keep those slots allocated until the same ack is reported by
-    ``finished_writes`` (if the copy ever ends, successfully or not). That ack is then also listed
-    by ``failed_writes``: its host pages never hold a page worth storing (``write_storage`` of them
-    yields a failed op), and they are the caller's to ``free_host``.
+``landed``
+    Acks whose device -> host copy ended and whose host pages hold the KV: the caller may store
+    them (``write_storage``) and its device slots are no longer read.
+``failed``
+    Acks whose copy ended but whose host pages must never be stored: the copy raised, or it had
+    expired. Its device slots are no longer read; the caller frees the host pages (``free_host``).
+    A ``write_storage`` of them anyway yields a failed op and writes nothing.
+``expired``
+    Acks whose copy has not ended ``write_timeout_s`` after it was submitted (or that the caller
+    discarded). The copy is not cancelled and may *still be reading its device slots*: the caller
+    keeps them allocated until the same ack comes back in ``failed``.
 
-``failed_writes() -> list[int]``
-    Ack ids reported by ``finished_writes`` since the last call whose host pages must not be
-    stored: the copy raised, or it had expired. Each at most once, and only after (or in the same
-    poll as) ``finished_writes`` reported it. The caller skips ``write_storage`` for them and frees
-    their host pages; if it stores them anyway the op is reported failed and nothing is written.
-
-``stores_parent_hash = True`` (a class attribute)
-    ``write_storage`` takes a fourth argument, ``parent_hash``: the page before the first one (KV
-    events link pages to it; ``docs/metrics.md``). The manager passes it only to offloaders that
-    say so.
+Each ack given to ``write`` is reported in ``landed`` or ``failed`` exactly once; in ``expired``
+at most once, and never after its ``landed``/``failed`` report (it may share that report: the
+caller handles ``expired`` first). ``EMPTY_REPORT`` is the report of a poll with nothing to say.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, Sequence, runtime_checkable
 
+import msgspec
 import torch
+
+
+class WriteReport(msgspec.Struct, frozen=True, gc=False):
+    """One ``finished_writes`` poll: the acks that landed, failed, or expired since the last
+    (the module docstring has the contract). Lists, never None; read, never mutated."""
+
+    landed: list[int]
+    failed: list[int]
+    expired: list[int]
+
+
+#: The report of a poll with nothing to say (shared: a step with no completion allocates nothing).
+EMPTY_REPORT = WriteReport([], [], [])
 
 
 @runtime_checkable
@@ -43,15 +54,17 @@ class Offloader(Protocol):
     Contract:
         * Every method is called from the scheduler thread and returns without blocking on a copy
           or on storage I/O.
-        * ``write`` enqueues one chunk. Until its ack id is reported by ``finished_writes`` the
-          device slots it reads must stay allocated (the caller guarantees this).
-        * Each ack id given to ``write`` is reported by ``finished_writes`` exactly once, in any
-          order relative to other acks; each op id returned by ``write_storage`` is reported by
+        * ``write`` enqueues one chunk. Until its ack id is reported landed or failed by
+          ``finished_writes`` the device slots it reads must stay allocated (the caller
+          guarantees this), expired or not.
+        * Each ack id given to ``write`` is reported by ``finished_writes`` landed or failed
+          exactly once, expired at most once and not after that, in any order relative to other
+          acks; each op id returned by ``write_storage`` is reported by
           ``finished_storage`` exactly once, whether the op succeeded or failed.
         * Host pages returned by ``write`` belong to the caller until it passes them to
           ``free_host``.
 
-    See the module docstring for the optional ``expired_writes`` / ``failed_writes`` extensions.
+    ``lifecycle.config.offloader`` checks every method below once, at construction.
     """
 
     def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
@@ -59,19 +72,21 @@ class Offloader(Protocol):
 
         Args:
             device_indices: int64 token-slot indices, a whole number of pages, page-aligned.
-            ack_id: caller-chosen id, reported by ``finished_writes`` when the copy has landed.
+            ack_id: caller-chosen id, reported by ``finished_writes`` when the copy has ended.
         Returns:
             The host token indices that will hold the copy, or None when host memory is short
             (then nothing was enqueued and ``ack_id`` will never be reported).
         """
         ...
 
-    def finished_writes(self) -> list[int]:
-        """Ack ids whose copy landed since the last call. Never blocks; order not guaranteed."""
+    def finished_writes(self) -> WriteReport:
+        """The acks that landed, failed or expired since the last call (module docstring). Never
+        blocks; order within a list not guaranteed."""
         ...
 
     def write_storage(
-        self, host_indices: torch.Tensor, tokens: Sequence[int], page_hashes: Sequence[str]
+        self, host_indices: torch.Tensor, tokens: Sequence[int], page_hashes: Sequence[str],
+        parent_hash: str | None = None,
     ) -> int:
         """Enqueue host -> storage of ``len(page_hashes)`` pages held at ``host_indices``.
 
@@ -79,6 +94,8 @@ class Offloader(Protocol):
             host_indices: host token indices returned by ``write``.
             tokens: the token ids those pages hold (``len == pages * page_size``).
             page_hashes: the pages' chain names, fixed by the caller when the chunk was enqueued.
+            parent_hash: the page before the first one (KV events link pages to it;
+                ``docs/metrics.md``); None: the first page of a prompt, or unknown.
         Returns:
             An op id, reported by ``finished_storage`` when the op succeeded or failed.
         """
@@ -90,4 +107,11 @@ class Offloader(Protocol):
 
     def free_host(self, host_indices: torch.Tensor) -> None:
         """Return host pages to the host pool. Raises on a double free."""
+        ...
+
+    def close(self, timeout: float | None):
+        """Refuse new work and wait at most ``timeout`` seconds (None: no bound) for work in
+        flight; called once by the manager's ``shutdown`` with what is left of its deadline
+        (positionally). May return a report: one whose ``clean`` is False (something abandoned)
+        is logged by the manager; any other return value is ignored."""
         ...

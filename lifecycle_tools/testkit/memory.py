@@ -1,7 +1,8 @@
 """An in-memory ``Offloader`` for tests and the demo: real tensors, completions under the caller's control.
 
 Copies are real (``kv[device_indices]`` into a host buffer) but land only when told to
-(``land``) or, with ``auto_land=True``, by the next ``finished_writes`` call. Storage keeps page
+(``land``) or, with ``auto_land=True``, by the next ``finished_writes`` call, which reports them
+as a ``transfer.WriteReport`` (landed / failed / expired). Storage keeps page
 bytes in a dict keyed by page hash. Every misuse of the seam (double free of host pages, unknown
 ids) raises, so tests catch a manager that breaks the contract.
 """
@@ -12,6 +13,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
+
+from transfer.offloader import EMPTY_REPORT, WriteReport
 
 
 class OffloaderMisuse(RuntimeError):
@@ -93,11 +96,18 @@ class InMemoryOffloader:
             del self.pending_writes[ack]
             self._landed.append(ack)
 
-    def finished_writes(self) -> list[int]:
+    def finished_writes(self) -> WriteReport:
+        """Expired acks, then those landed (``land``) or failed (``fail``) since the last call."""
         if self.auto_land:
             self.land()
-        out, self._landed = self._landed, []
-        return out
+        landed, failed, expired = self._landed, self._failed, self._expired
+        if not (landed or expired):
+            return EMPTY_REPORT
+        self._landed, self._failed, self._expired = [], [], []
+        if failed:
+            bad = set(failed)
+            landed = [a for a in landed if a not in bad]
+        return WriteReport(landed, failed, expired)
 
     def expire(self, ack_ids: Iterable[int]) -> None:
         """Report pending copies as past their deadline; they stay pending until ``land``."""
@@ -106,22 +116,15 @@ class InMemoryOffloader:
                 raise OffloaderMisuse(f"ack id {ack} is not pending")
             self._expired.append(ack)
 
-    def expired_writes(self) -> list[int]:
-        out, self._expired = self._expired, []
-        return out
-
     def fail(self, ack_ids: Iterable[int]) -> None:
-        """Land pending copies as failed: reported by ``finished_writes`` and ``failed_writes``."""
+        """Land pending copies as failed: reported failed by ``finished_writes``."""
         ids = list(ack_ids)
         self.land(ids)
         self._failed.extend(ids)
 
-    def failed_writes(self) -> list[int]:
-        out, self._failed = self._failed, []
-        return out
-
     def write_storage(
-        self, host_indices: torch.Tensor, tokens: Sequence[int], page_hashes: Sequence[str]
+        self, host_indices: torch.Tensor, tokens: Sequence[int], page_hashes: Sequence[str],
+        parent_hash: str | None = None,
     ) -> int:
         if len(tokens) != len(page_hashes) * self.page_size:
             raise OffloaderMisuse(
@@ -157,3 +160,6 @@ class InMemoryOffloader:
             raise OffloaderMisuse(f"host pages {missing} freed but not held (double free?)")
         self._held_pages.difference_update(pages)
         self._free_pages.extend(pages)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Nothing runs in the background: closing waits for nothing."""

@@ -106,7 +106,7 @@ def test_failed_copies_are_logged_counted_and_never_stored():
 
 
 class StorageRefusingOffloader(InMemoryOffloader):
-    def write_storage(self, host_indices, tokens, page_hashes):
+    def write_storage(self, host_indices, tokens, page_hashes, parent_hash=None):
         raise OSError(28, "No space left on device")
 
 

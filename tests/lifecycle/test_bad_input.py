@@ -243,4 +243,4 @@ def test_a_missing_offloader_and_missing_offloader_methods_are_named():
     assert str(err.value) == "no offloader: pass offloader=, or use DecodeOffloadManager.from_stack(build_stack(...))"
     with pytest.raises(ConfigError) as err:
         DecodeOffloadManager(_row_pool(), _allocator(), page_size=4, offloader=object())
-    assert str(err.value) == "offloader lacks write, finished_writes, write_storage, finished_storage, free_host"
+    assert str(err.value) == "offloader lacks write, finished_writes, write_storage, finished_storage, free_host, close"

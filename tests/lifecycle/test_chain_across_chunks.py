@@ -57,9 +57,9 @@ class RecordingOffloader(InMemoryOffloader):
             self.host_of[int(host[0])] = ack_id
         return host
 
-    def write_storage(self, host_indices, tokens, page_hashes):
+    def write_storage(self, host_indices, tokens, page_hashes, parent_hash=None):
         self.named[self.host_of.pop(int(host_indices[0]))] = (list(tokens), list(page_hashes))
-        return super().write_storage(host_indices, tokens, page_hashes)
+        return super().write_storage(host_indices, tokens, page_hashes, parent_hash)
 
 
 def setup(page_size, stride, prompt, seed=None, room=96):

@@ -12,6 +12,7 @@ the host-slot tensor.
 Counts objects (``gc.get_objects()`` after a full collection): deterministic, no timing.
 """
 
+from transfer.offloader import WriteReport
 import gc
 
 import torch
@@ -42,9 +43,9 @@ class Offloader:
 
     def finished_writes(self):
         out, self.landed = self.landed, []
-        return out
+        return WriteReport(out, [], [])
 
-    def write_storage(self, host_indices, tokens, page_hashes):
+    def write_storage(self, host_indices, tokens, page_hashes, parent_hash=None):
         assert len(tokens) == len(page_hashes) * PS
         self.next_op += 1
         self.ops.append(self.next_op)
@@ -55,6 +56,9 @@ class Offloader:
         return out
 
     def free_host(self, host_indices):
+        pass
+
+    def close(self, timeout):
         pass
 
 

@@ -141,8 +141,6 @@ def test_a_request_another_manager_holds_is_refused_without_touching_it():
 class StoringOffloader(InMemoryOffloader):
     """Keeps what each storage write was given: tokens, page hashes and the parent page."""
 
-    stores_parent_hash = True
-
     def __init__(self, **kw):
         super().__init__(**kw)
         self.writes_seen = []

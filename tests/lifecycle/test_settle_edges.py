@@ -7,6 +7,7 @@ kept FINISHED for a retry); an expiry reported twice; an unknown storage op name
 
 from __future__ import annotations
 
+from transfer.offloader import WriteReport
 import pytest
 from structlog.testing import capture_logs
 
@@ -249,9 +250,11 @@ def test_an_expired_copy_that_then_fails_ends_its_quarantine_and_leaves_nothing_
 
 
 class NoFailureReports(InMemoryOffloader):
-    """An offloader without the optional ``failed_writes`` extension."""
+    """An offloader that implements the protocol but never reports a failure or an expiry: each
+    report lists landings only (a new ``WriteReport``, not the shared empty one)."""
 
-    failed_writes = None
+    def finished_writes(self):
+        return WriteReport(list(super().finished_writes().landed), [], [])
 
 
 def test_an_offloader_without_failure_reports_is_collected_and_shut_down():
@@ -259,7 +262,7 @@ def test_an_offloader_without_failure_reports_is_collected_and_shut_down():
     req, _ = rig.admit("n", 8, 16)
     rig.decode(req, 4)
     rig.off.land()
-    assert rig.mgr.pending().unsettled == 1          # collected: the landing, no failures asked for
+    assert rig.mgr.pending().unsettled == 1          # collected: the landing, no failures reported
     rig.progress()
     rig.off.complete_storage()
     rig.progress()

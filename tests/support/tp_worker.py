@@ -43,12 +43,12 @@ class RecordingOffloader:
 
     def finished_writes(self):
         out = self.inner.finished_writes()
-        self.seen_landed += out
+        self.seen_landed += out.landed + out.failed
         return out
 
-    def write_storage(self, host_indices, tokens, page_hashes):
+    def write_storage(self, host_indices, tokens, page_hashes, parent_hash=None):
         self.acted.append(self.by_host[int(host_indices[0])])
-        return self.inner.write_storage(host_indices, tokens, page_hashes)
+        return self.inner.write_storage(host_indices, tokens, page_hashes, parent_hash)
 
     def finished_storage(self):
         out = self.inner.finished_storage()
@@ -57,6 +57,9 @@ class RecordingOffloader:
 
     def free_host(self, host_indices):
         self.inner.free_host(host_indices)
+
+    def close(self, timeout):
+        return self.inner.close(timeout)
 
     def pending_acks(self) -> list[int]:
         return list(self.inner.pending_writes)  # issue (ack id) order

@@ -13,7 +13,7 @@ import torch
 import hashing
 from transfer import HostOffloader, HostPool, KVPool, MemoryStorage, build_stack
 from lifecycle_tools.testkit.kv_pattern import synthetic_kv
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, polls
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PS = 16
@@ -28,7 +28,7 @@ def test_cuda_copy_sees_kv_written_by_work_still_queued_on_the_compute_stream():
     torch.cuda._sleep(SPIN)  # the "forward" is still running ...
     kv.buffer[:, :, 64:128] = 3.0  # ... when it writes the KV the copy must read
     h = off.write(slots, ack_id=1)  # queued right away, no sync
-    assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == []
+    assert drain(polls(off).ended, 1) == [1] and polls(off).failed() == []
     pages = host.page_ids(h).tolist()
     assert all(bool((host.page_view(p).float() == 3.0).all()) for p in pages)
     off.close()
@@ -40,10 +40,10 @@ def test_cuda_device_slot_ids_that_are_bad_fail_the_copy_without_a_device_fault(
     off = HostOffloader(kv, host, MemoryStorage("_c_0_1", host.page_nbytes))
     bad = torch.arange(250, 250 + PS, device="cuda")  # not aligned, past the pool's end
     assert off.write(bad, ack_id=7) is not None
-    assert drain(off.finished_writes, 1) == [7] and off.failed_writes() == [7]
+    assert drain(polls(off).ended, 1) == [7] and polls(off).failed() == [7]
     good = torch.arange(PS, 2 * PS, device="cuda")
     assert off.write(good, ack_id=8) is not None  # the context is fine: no device-side assert
-    assert drain(off.finished_writes, 1) == [8] and off.failed_writes() == []
+    assert drain(polls(off).ended, 1) == [8] and polls(off).failed() == []
     off.close()
 
 
@@ -53,7 +53,7 @@ def test_cuda_prefix_load_waits_for_the_slots_previous_use_and_fences_the_caller
     src = s.allocator.alloc(len(tokens))
     s.kv_pool.write(src, synthetic_kv(s.kv_pool, 1, torch.arange(len(tokens))))
     h = s.offloader.write(src, 1)
-    drain(s.offloader.finished_writes, 1)
+    drain(polls(s.offloader).ended, 1)
     s.offloader.write_storage(h, tokens, hashing.page_hashes(tokens, PS))
     drain(s.offloader.finished_storage, 1)
     s.offloader.free_host(h)

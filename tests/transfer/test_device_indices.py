@@ -11,7 +11,7 @@ from lifecycle_tools.testkit.sync_trap import as_device_resident, no_host_sync
 from transfer import BadIndices, HostOffloader, HostPool, KVPool, MemoryStorage
 from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.indices import on_host
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, polls
 
 PS = 4
 
@@ -31,7 +31,7 @@ def test_a_device_write_lands_bit_exact_without_a_host_read():
     with no_host_sync():
         h = off.write(dev, ack_id=1)
         dev[:] = 0  # the caller reuses its buffer at once: the copy has its own
-        assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == []
+        assert drain(polls(off).ended, 1) == [1] and polls(off).failed() == []
     for i, page in enumerate(host.page_ids(h).tolist()):
         want = kv.read(slots[i * PS:(i + 1) * PS]).permute(0, 2, 1, 3, 4)
         assert torch.equal(host.page_view(page).view(torch.int16), want.contiguous().view(torch.int16))
@@ -44,8 +44,8 @@ def test_bad_device_slot_values_fail_the_copy_instead_of_raising(ids):
     off, kv, host = make()
     with no_host_sync():
         assert off.write(as_device_resident(torch.tensor(ids)), ack_id=2) is not None
-        assert drain(off.finished_writes, 1) == [2]
-        assert off.failed_writes() == [2]  # its host pages are poisoned: never stored
+        assert drain(polls(off).ended, 1) == [2]
+        assert polls(off).failed() == [2]  # its host pages are poisoned: never stored
     assert off.stats().copy_failures == 1
     off.close()
 

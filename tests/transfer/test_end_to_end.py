@@ -8,7 +8,7 @@ import torch
 import hashing
 from transfer import FileStorage, HostOffloader, HostPool, KVPool, PagedTokenAllocator, PrefixLoader, ReqToTokenPool
 from lifecycle_tools.testkit.kv_pattern import synthetic_kv
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, polls
 
 PS, LAYERS, HEADS, DIM = 4, 3, 2, 8
 SUFFIX = hashing.storage_suffix("org/tiny")
@@ -95,12 +95,12 @@ def test_decode_offload_store_and_reuse(tmp_path):
             acks[ack] = (r, host, toks, hashes)
             for i, h in enumerate(hashes):
                 stored[h] = page_first(d.kv.read(r.slots[start + i * PS:start + (i + 1) * PS]))
-        for ack in d.off.finished_writes():
+        for ack in polls(d.off).ended():
             r, host, toks, hashes = acks.pop(ack)
             pending[d.off.write_storage(host, toks, hashes)] = host
         for op in d.off.finished_storage():
             d.off.free_host(pending.pop(op))
-    for ack in drain(d.off.finished_writes, len(acks)):
+    for ack in drain(polls(d.off).ended, len(acks)):
         r, host, toks, hashes = acks.pop(ack)
         pending[d.off.write_storage(host, toks, hashes)] = host
     for op in drain(d.off.finished_storage, len(pending)):

@@ -22,7 +22,7 @@ from transfer import CpuCopyEngine, FileStorage, HostOffloader, HostPagesBusy, H
 from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.gather import ChunkCopy
 from transfer.storage.file import XATTR
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, polls
 
 PS = 4
 SUFFIX = hashing.storage_suffix("org/model", 0, 1)
@@ -106,15 +106,15 @@ def test_stuck_copy_expires_once_keeps_slots_until_it_ends_and_is_never_stored()
     with capture_logs() as logs:
         h1 = off.write(torch.arange(0, 8), 1)
         h2 = off.write(torch.arange(8, 16), 2)  # the other worker thread is free
-        assert drain(off.finished_writes, 1) == [2]
-        assert off.expired_writes() == []
+        assert drain(polls(off).ended, 1) == [2]
+        assert polls(off).expired() == []
         clock.t += 0.49
-        assert off.expired_writes() == []  # not yet
+        assert polls(off).expired() == []  # not yet
         clock.t += 0.01
-        assert off.expired_writes() == [1]
-        assert off.expired_writes() == []  # each ack at most once
+        assert polls(off).expired() == [1]
+        assert polls(off).expired() == []  # each ack at most once
         clock.t += 100
-        assert off.expired_writes() == []
+        assert polls(off).expired() == []
     (ev,) = events(logs, "offloader.copy_expired")
     assert ev["ack_id"] == 1 and ev["timeout_s"] == 0.5 and ev["log_level"] == "error"
     assert off.stats().copy_expired == 1 and off.stats().in_flight_writes == 1
@@ -123,7 +123,7 @@ def test_stuck_copy_expires_once_keeps_slots_until_it_ends_and_is_never_stored()
         off.free_host(h1)
     with pytest.raises(TransferError):
         store_chunk(off, h1, 0)
-    assert off.finished_writes() == [] and off.failed_writes() == []
+    assert polls(off).ended() == [] and polls(off).failed() == []
     # the good chunk is unaffected
     op2 = store_chunk(off, h2, 8)
     assert drain(off.finished_storage, 1) == [op2] and off.failed_storage() == []
@@ -131,8 +131,8 @@ def test_stuck_copy_expires_once_keeps_slots_until_it_ends_and_is_never_stored()
     # the copy finally ends: now reported landed, and listed failed (never to be stored)
     with capture_logs() as logs:
         eng.gate.set()
-        assert drain(off.finished_writes, 1) == [1]
-        assert off.failed_writes() == [1] and off.failed_writes() == []
+        assert drain(polls(off).ended, 1) == [1]
+        assert polls(off).failed() == [1] and polls(off).failed() == []
         op1 = store_chunk(off, h1, 0)  # stored anyway: the op fails, nothing written
         assert drain(off.finished_storage, 1) == [op1] and off.failed_storage() == [op1]
     assert events(logs, "offloader.expired_copy_ended")[0]["ack_id"] == 1
@@ -151,9 +151,9 @@ def test_copy_finished_before_its_deadline_never_expires():
     clock = Clock()
     off, kv, host, _ = make(write_timeout_s=0.5, clock=clock)
     h = off.write(torch.arange(0, 8), 7)
-    assert drain(off.finished_writes, 1) == [7]
+    assert drain(polls(off).ended, 1) == [7]
     clock.t += 10
-    assert off.expired_writes() == [] and off.failed_writes() == []
+    assert polls(off).expired() == [] and polls(off).failed() == []
     off.free_host(h)
     off.close()
 
@@ -164,9 +164,9 @@ def test_no_timeout_means_never_expired():
     eng.hold.add(1)
     h = off.write(torch.arange(0, 8), 1)
     clock.t += 1e6
-    assert off.expired_writes() == []
+    assert polls(off).expired() == []
     eng.gate.set()
-    assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == []
+    assert drain(polls(off).ended, 1) == [1] and polls(off).failed() == []
     off.free_host(h)
     off.close()
 
@@ -178,8 +178,8 @@ def test_failed_copy_is_reported_listed_failed_logged_and_pages_returned():
     with capture_logs() as logs:
         h3 = off.write(torch.arange(0, 8), 3)
         h4 = off.write(torch.arange(8, 16), 4)
-        assert sorted(drain(off.finished_writes, 2)) == [3, 4]
-        assert off.failed_writes() == [3]
+        assert sorted(drain(polls(off).ended, 2)) == [3, 4]
+        assert polls(off).failed() == [3]
     (ev,) = events(logs, "offloader.copy_failed")
     assert ev["ack_id"] == 3 and "injected copy failure" in ev["error"]
     assert off.stats().copy_failures == 1
@@ -199,10 +199,10 @@ def test_stuck_copy_that_then_fails_is_listed_failed_once():
     eng.fail.add(1)
     h = off.write(torch.arange(0, 8), 1)
     clock.t += 1.0
-    assert off.expired_writes() == [1]
+    assert polls(off).expired() == [1]
     eng.gate.set()
-    assert drain(off.finished_writes, 1) == [1]
-    assert off.failed_writes() == [1] and off.failed_writes() == []
+    assert drain(polls(off).ended, 1) == [1]
+    assert polls(off).failed() == [1] and polls(off).failed() == []
     st = off.stats()
     assert (st.copy_expired, st.copy_failures) == (1, 1)
     off.free_host(h)
@@ -234,7 +234,7 @@ def test_close_with_a_stuck_copy_is_bounded_and_logged():
         off.close(timeout=0.05)
     assert events(logs, "offloader.close_timed_out")[0]["in_flight_writes"] == 1
     eng.gate.set()
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
 
 
 def test_write_timeout_must_be_positive():
@@ -259,12 +259,12 @@ def test_host_pool_exhausted_for_many_polls_then_recovers_nothing_leaked():
     off, kv, host, _ = make(host_tokens=8, storage=store)  # room for one 2-page chunk
     store.gate.clear()  # storage stalls: the chunk's host pages stay busy
     ha = off.write(torch.arange(0, 8), 1)
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     op = store_chunk(off, ha, 0)
     with capture_logs() as logs:
         for i in range(200):  # 200 scheduler polls with no host memory
             assert off.write(torch.arange(8, 16), 100 + i) is None
-            assert off.finished_storage() == [] and off.finished_writes() == []
+            assert off.finished_storage() == [] and polls(off).ended() == []
             with pytest.raises(HostPagesBusy):
                 off.free_host(ha)
     (ev,) = events(logs, "offloader.host_exhausted")  # logged once per stretch, not per poll
@@ -277,7 +277,7 @@ def test_host_pool_exhausted_for_many_polls_then_recovers_nothing_leaked():
     with capture_logs() as logs:
         hb = off.write(torch.arange(8, 16), 999)
     assert hb is not None and events(logs, "offloader.host_recovered")[0]["rejected"] == 200
-    assert drain(off.finished_writes, 1) == [999]
+    assert drain(polls(off).ended, 1) == [999]
     opb = store_chunk(off, hb, 8)
     assert drain(off.finished_storage, 1) == [opb]
     off.free_host(hb)
@@ -558,7 +558,7 @@ def test_file_store_fault_under_host_offloader_returns_host_pages(small_tmpfs):
         slots = torch.arange(32 * c, 32 * c + 32)
         kv.write(slots, synthetic_kv(kv, 1, slots))
         hs.append(off.write(slots, c))
-    drain(off.finished_writes, 4)
+    drain(polls(off).ended, 4)
     for c, h in enumerate(hs):
         ops.append(store_chunk(off, h, 1000 * c))
     assert sorted(drain(off.finished_storage, 4)) == sorted(ops)

@@ -7,7 +7,7 @@ import torch
 import hashing
 from transfer import BadIndices, Closed, CpuCopyEngine, DoubleFree, HostOffloader, HostPagesBusy, HostPool, KVPool, MemoryStorage, NotAllocated, Offloader, TransferError, UnknownId
 from lifecycle_tools.testkit.kv_pattern import synthetic_kv
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, polls
 
 PS = 4
 
@@ -31,7 +31,7 @@ def test_write_store_free_cycle():
     kv.write(slots, synthetic_kv(kv, 1, torch.arange(8)))
     h = off.write(slots, ack_id=11)
     assert h.numel() == 8
-    assert drain(off.finished_writes, 1) == [11]
+    assert drain(polls(off).ended, 1) == [11]
     tokens = list(range(8))
     hashes = hashing.page_hashes(tokens, PS)
     op = off.write_storage(h, tokens, hashes)
@@ -65,7 +65,7 @@ def test_bad_input_rejected_and_nothing_changes():
     h = off.write(torch.arange(8, 12), 1)
     with pytest.raises(UnknownId):
         off.write(torch.arange(12, 16), 1)
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     with pytest.raises(BadIndices):
         off.write_storage(h, [1, 2, 3], ["x"])
     with pytest.raises(NotAllocated):
@@ -92,13 +92,13 @@ def test_out_of_order_acks_and_busy_pages():
     eng.to_host = gated
     h1 = off.write(torch.arange(8, 12), 1)
     off.write(torch.arange(12, 16), 2)
-    assert drain(off.finished_writes, 1) == [2]
+    assert drain(polls(off).ended, 1) == [2]
     with pytest.raises(HostPagesBusy):
         off.free_host(h1)  # its copy has not landed
     with pytest.raises(TransferError):
         off.write_storage(h1, [0] * PS, ["a"])
     gate.set()
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     off.close()
 
 
@@ -110,7 +110,7 @@ def test_storage_failure_counted_reported_and_host_pages_freeable(monkeypatch):
 
     monkeypatch.setattr(store, "_write", enospc)
     h = off.write(torch.arange(8, 16), 5)
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     tokens = list(range(8))
     op = off.write_storage(h, tokens, hashing.page_hashes(tokens, PS))
     assert drain(off.finished_storage, 1) == [op]
@@ -126,7 +126,7 @@ def test_storage_exception_is_a_failed_op_not_a_crash(monkeypatch):
     off, kv, host, store = make()
     monkeypatch.setattr(store, "batch_set", lambda k, p: 1 / 0)
     h = off.write(torch.arange(8, 12), 1)
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     op = off.write_storage(h, [1, 2, 3, 4], ["k"])
     assert drain(off.finished_storage, 1) == [op] and off.stats().storage_failed == 1
     off.free_host(h)
@@ -138,7 +138,7 @@ def test_failed_copy_poisons_pages():
     off, kv, host, store = make(engine=eng)
     eng.to_host = lambda tag, *a: eng.submit(tag, lambda: 1 / 0)
     h = off.write(torch.arange(8, 12), 1)
-    assert drain(off.finished_writes, 1) == [1] and off.stats().copy_failures == 1
+    assert drain(polls(off).ended, 1) == [1] and off.stats().copy_failures == 1
     op = off.write_storage(h, [1, 2, 3, 4], ["0" * 64])
     assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
     assert store.batch_exists(["0" * 64]) == 0
@@ -150,7 +150,7 @@ def test_close_drains_and_refuses_new_work():
     off, kv, host, _ = make()
     h = off.write(torch.arange(8, 12), 1)
     off.close()
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     with pytest.raises(Closed):
         off.write(torch.arange(12, 16), 2)
     off.free_host(h)
@@ -175,7 +175,7 @@ def test_backpressure_is_counted_always_and_warned_at_most_once_per_interval():
         for i in range(50):  # stretches of rejections broken by accepted writes, within one interval
             h = off.write(torch.arange(8, 16), 2 * i)
             assert off.write(torch.arange(16, 24), 2 * i + 1) is None
-            assert drain(off.finished_writes, 1) == [2 * i]
+            assert drain(polls(off).ended, 1) == [2 * i]
             off.free_host(h)
         clock.t += 5.0
         assert off.write(torch.arange(16, 24), 1000) is not None
@@ -184,7 +184,7 @@ def test_backpressure_is_counted_always_and_warned_at_most_once_per_interval():
     assert [e["log_level"] for e in warned] == ["warning", "warning"]
     assert [e["rejected"] for e in warned] == [1, 50]  # the second carries everything since the first
     assert warned[1]["rejected_total"] == 51 == off.stats().writes_rejected
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     off.close()
 
 
@@ -217,7 +217,7 @@ def test_the_copy_reads_the_slots_given_at_write_time_not_a_reused_index_buffer(
     h = off.write(idx, 1)
     idx.copy_(torch.arange(40, 48))  # the caller reuses its buffer for something else
     gate.set()
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     want = kv.read(torch.arange(8, 16))  # [kinds, layers, 8, heads, dim]
     for i, p in enumerate(host.page_ids(h).tolist()):
         page = want[:, :, i * PS:(i + 1) * PS].permute(0, 2, 1, 3, 4).contiguous()
@@ -228,13 +228,13 @@ def test_the_copy_reads_the_slots_given_at_write_time_not_a_reused_index_buffer(
 
 def test_expire_reports_the_copies_once_and_poisons_their_pages():
     """``expire``: the caller stops waiting for these copies now (their slots are being freed by
-    someone else); reported once by ``expired_writes``, landed as failed, never stored."""
+    someone else); reported expired once by ``finished_writes``, then failed, never stored."""
     off, kv, host, store = make()
     h = off.write(torch.arange(8, 12), 1)
     assert off.expire([1, 1, 99]) == [1]          # ids not in flight, and repeats, are skipped
     assert off.expire([1]) == []
-    assert off.expired_writes() == [1] and off.expired_writes() == []
-    assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == [1]
+    assert polls(off).expired() == [1] and polls(off).expired() == []
+    assert drain(polls(off).ended, 1) == [1] and polls(off).failed() == [1]
     op = off.write_storage(h, [1, 2, 3, 4], ["0" * 64])
     assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
     assert store.batch_exists(["0" * 64]) == 0 and off.stats().copies_discarded == 1
@@ -307,7 +307,7 @@ class Observer:
 
 def landed(off, ack, n_slots=8, first=8):
     h = off.write(torch.arange(first, first + n_slots), ack)
-    assert drain(off.finished_writes, 1) == [ack]
+    assert drain(polls(off).ended, 1) == [ack]
     return h
 
 
@@ -338,7 +338,7 @@ def test_argument_errors_name_the_argument_and_the_problem():
         off.free_host(h)
     with pytest.raises(UnknownId, match=r"ack id 7 is not a copy in flight"):
         off.discard_write(7)
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     with pytest.raises(BadIndices, match=r"^1 host pages, 2 hashes, 3 tokens \(page size 4\)$"):
         off.write_storage(h, [1, 2, 3], ["a", "b"])
     for bad in ([""], [123]):
@@ -372,10 +372,10 @@ def test_zero_backpressure_interval_warns_on_every_rejection_and_recovery_is_log
         assert off.write(torch.arange(16, 24), 2) is None
         assert off.write(torch.arange(16, 24), 3) is None
         h2 = off.write(torch.arange(24, 28), 4)          # recovered: logged once
-        drain(off.finished_writes, 2)
+        drain(polls(off).ended, 2)
         off.free_host(h2)
         h2 = off.write(torch.arange(24, 28), 5)          # no rejection since: nothing logged
-        drain(off.finished_writes, 1)
+        drain(polls(off).ended, 1)
     warned = events(logs, "offloader.host_exhausted")
     assert [{k: e[k] for k in ("ack_id", "pages", "rejected", "rejected_total", "host_free_pages",
                                "next_warning_after_s")} for e in warned] == [
@@ -396,7 +396,7 @@ def test_idle_is_false_while_a_copy_is_unreported():
     off, *_ = make()
     h = off.write(torch.arange(8, 12), 1)
     assert not off.idle()
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     assert off.idle()
     off.free_host(h)
     off.close()
@@ -411,7 +411,7 @@ def test_observer_times_each_copy_from_write_to_its_report():
     t0 = time.perf_counter()
     h2 = off.write(torch.arange(12, 16), 2)
     off.close()                                     # both copies have run: one poll reports both
-    assert sorted(off.finished_writes()) == [1, 2]
+    assert sorted(polls(off).ended()) == [1, 2]
     elapsed = time.perf_counter() - t0
     assert len(obs.copies) == 1                     # ack 1 was not timed
     assert isinstance(obs.copies[0], float) and 0 <= obs.copies[0] <= elapsed
@@ -428,17 +428,17 @@ def test_discarded_copy_does_not_taint_other_copies_and_counts_once():
         off.discard_write(1)
         off.discard_write(1)                        # a second call changes nothing
         off.discard_write(3)
-        assert sorted(drain(off.finished_writes, 3)) == [1, 2, 3]
-    assert sorted(off.failed_writes()) == [1, 3]
+        assert sorted(drain(polls(off).ended, 3)) == [1, 2, 3]
+    assert sorted(polls(off).failed()) == [1, 3]
     assert off.stats().copies_discarded == 2 and off.stats().copy_expired == 0
     assert [{k: e[k] for k in ("log_level", "ack_id", "pages")} for e in events(logs, "offloader.copy_discarded")] \
         == [dict(log_level="warning", ack_id=1, pages=2), dict(log_level="warning", ack_id=3, pages=1)]
-    assert off.expired_writes() == []               # ended before being listed: never listed
+    assert sorted(polls(off).expired()) == [1, 3]   # each once: a poll checks expiry before endings
     # the ack ids can be used again: the new copies are good ones
     for ack, first in ((1, 24), (3, 28)):
         h = off.write(torch.arange(first, first + 4), ack)
-        assert drain(off.finished_writes, 1) == [ack]
-        assert off.failed_writes() == []
+        assert drain(polls(off).ended, 1) == [ack]
+        assert polls(off).failed() == []
         off.free_host(h)
     for h in (h1, h2, h3):
         off.free_host(h)
@@ -460,10 +460,10 @@ def test_expired_copies_are_counted_logged_and_their_ack_ids_reusable():
         clock.t += 2.0
         h3 = off.write(torch.arange(20, 24), 3)     # deadline later than the others
         clock.t += 3.0
-        assert off.expired_writes() == [1, 2]
+        assert polls(off).expired() == [1, 2]
         eng.gate.set()
-        assert drain(off.finished_writes, 3) == [1, 2, 3]
-    assert off.failed_writes() == [1, 2]
+        assert sorted(drain(polls(off).ended, 3)) == [1, 2, 3]
+    assert polls(off).failed() == [1, 2]
     assert off.stats().copy_expired == 2 and off.stats().copy_failures == 1
     exp = events(logs, "offloader.copy_expired")
     assert [(e["log_level"], e["ack_id"], e["timeout_s"], e["pages"]) for e in exp] == [("error", 1, 5.0, 2)]
@@ -471,7 +471,7 @@ def test_expired_copies_are_counted_logged_and_their_ack_ids_reusable():
     assert failed["ack_id"] == 2 and failed["expired"] is True and "injected copy failure 2" in failed["error"]
     # the expired ack ids are free again: a new copy under the same id is a good one
     h = off.write(torch.arange(24, 28), 1)
-    assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == []
+    assert drain(polls(off).ended, 1) == [1] and polls(off).failed() == []
     assert off.expire([1]) == []          # already reported: not in flight
     for x in (h, h1, h2, h3):
         off.free_host(x)
@@ -485,7 +485,7 @@ def test_copy_failures_are_counted_and_logged_as_not_expired():
     with capture_logs() as logs:
         h1 = off.write(torch.arange(8, 12), 1)
         h2 = off.write(torch.arange(12, 16), 2)
-        assert sorted(drain(off.finished_writes, 2)) == [1, 2]
+        assert sorted(drain(polls(off).ended, 2)) == [1, 2]
     assert off.stats().copy_failures == 2
     (first,) = events(logs, "offloader.copy_failed")          # the second is rate limited
     assert first["expired"] is False and first["log_level"] == "error"
@@ -587,7 +587,7 @@ def test_a_storage_recovery_summarises_storage_failures_only_and_close_summarise
         eng.fail |= {2, 3}
         for ack in (2, 3):           # two failed copies: the second is suppressed
             x = off.write(torch.arange(12, 16), ack)
-            assert drain(off.finished_writes, 1) == [ack]
+            assert drain(polls(off).ended, 1) == [ack]
             off.free_host(x)
         store_once(False)            # storage was not failing: its success summarises nothing
         assert [e.get("summary", False) for e in events(logs, "offloader.copy_failed")] == [False]
@@ -666,7 +666,7 @@ def test_host_events_announce_pages_handed_to_storage_and_remove_them_when_freed
     off.events = HostAnnouncer(pub, PS)
     h = landed(off, 1, 8)
     other = off.write(torch.arange(16, 20), 2)
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     tokens = list(range(8))
     keys = hashing.page_hashes(tokens, PS)
     op = off.write_storage(h, tokens, keys, parent_hash="q" * 64)
@@ -684,7 +684,7 @@ def test_close_without_a_bound_waits_for_everything():
     h = off.write(torch.arange(8, 12), 1)
     report = off.close(timeout=None)
     assert report.clean and report.timeout is None
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     off.free_host(h)
 
 
@@ -707,7 +707,7 @@ def test_close_with_a_stuck_copy_returns_at_its_timeout_and_logs_what_it_left():
                 host_pages=report.host_pages, device_slots=8, reason=report.reason)
     assert {k: ev[k] for k in want} == want and len(report.host_pages) == 2
     eng.gate.set()
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     off.free_host(h)
 
 
@@ -716,7 +716,7 @@ def test_close_with_a_stuck_copy_returns_at_its_timeout_and_logs_what_it_left():
                                         ("expire", False), ("write_timeout_s", True)])
 @pytest.mark.parametrize("when", ["while running", "ended, not yet reported"])
 def test_a_discarded_copy_that_lands_stores_and_announces_nothing(how, polled, when):
-    """docs (``discard_write`` / ``expired_writes``): a copy the caller gave up on — discarded
+    """docs (``discard_write`` / ``finished_writes``): a copy the caller gave up on — discarded
     because its device slots are being freed under it (its request released), or expired and
     quarantined — lands as failed and its host pages are never stored. Handed to ``write_storage``
     anyway, the op fails: no page reaches the tier, and no KV event announces one (neither the host
@@ -743,11 +743,11 @@ def test_a_discarded_copy_that_lands_stores_and_announces_nothing(how, polled, w
             assert off.expire([1]) == [1]
         else:
             clock.t += 5.0
-        if polled:      # else it lands before ``expired_writes`` lists it (a discarded copy then never is)
-            assert off.expired_writes() == [1]
+        if polled:      # else the poll that reports it ended reports it expired first
+            assert polls(off).expired() == [1]
         eng.gate.set()
-        assert drain(off.finished_writes, 1) == [1] and off.failed_writes() == [1]
-        assert off.expired_writes() == []
+        assert drain(polls(off).ended, 1) == [1] and polls(off).failed() == [1]
+        assert polls(off).expired() == ([] if polled else [1])  # once in all, never after its end
         good = landed(off, 2, 8, first=16)
         tokens = list(range(100, 116))
         keys = hashing.page_hashes(tokens, PS)

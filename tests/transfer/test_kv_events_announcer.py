@@ -6,6 +6,7 @@ prefill backup is held until a decode chunk continuing it was announced, and in 
 
 from __future__ import annotations
 
+from tests.support.transfer_helpers import polls
 import json
 import logging
 import os
@@ -471,7 +472,7 @@ def test_chunks_that_land_together_are_announced_in_chain_order():
         assert len(mgr._ledger.ongoing) == 3
         deadline = time.monotonic() + 30
         while not stack.offloader.stats().in_flight_writes == 0 or len(mgr._ledger.landed) < 3:
-            mgr._ledger.landed.update(stack.offloader.finished_writes())   # collected, not settled
+            mgr._ledger.landed.update(polls(stack.offloader).ended())   # collected, not settled
             assert time.monotonic() < deadline
             time.sleep(0.001)
         assert list(mgr._ledger.landed) != sorted(mgr._ledger.landed)            # the old order: the set's

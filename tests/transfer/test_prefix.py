@@ -7,7 +7,7 @@ import hashing
 from transfer import StorageUnavailable, build_stack
 from lifecycle_tools.testkit.kv_pattern import synthetic_kv
 from transfer.errors import Closed, UnknownId
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, polls
 
 PS = 4
 
@@ -19,7 +19,7 @@ def store_request(stack, req, tokens, seed=None):
     stack.kv_pool.write(slots, synthetic_kv(stack.kv_pool, req, torch.arange(n)))
     off = stack.offloader
     h = off.write(slots, req)
-    drain(off.finished_writes, 1)
+    drain(polls(off).ended, 1)
     off.write_storage(h, tokens[:n], hashing.page_hashes(tokens[:n], PS, seed))
     drain(off.finished_storage, 1)
     off.free_host(h)

@@ -21,7 +21,7 @@ from transfer.gather import ChunkCopy
 from transfer.shutdown import DEFAULT_CLOSE_TIMEOUT_S, CloseReport
 from transfer.stack import TransferStack
 from transfer.worker import BackgroundWorker
-from tests.support.transfer_helpers import drain
+from tests.support.transfer_helpers import drain, polls
 
 PS = 4
 
@@ -99,7 +99,7 @@ def test_stuck_copy_is_abandoned_and_reported_with_its_quarantined_slots_and_pag
     assert ev["log_level"] == "error" and ev["abandoned_writes"] == [1, 2] and ev["in_flight_writes"] == 2
     assert host.available_size() == 32 - 12  # abandoned pages are never handed back
     eng.release.set()  # the copy finally ends: still reported once, pages then freeable
-    assert sorted(drain(off.finished_writes, 2)) == [1, 2]
+    assert sorted(drain(polls(off).ended, 2)) == [1, 2]
     off.free_host(h1)
     off.free_host(h2)
     host.check_integrity()
@@ -109,7 +109,7 @@ def test_stuck_storage_op_is_abandoned_and_its_pages_stay_busy():
     store = StuckStorage("_m_0_1")
     off, host = make(storage=store)
     h = off.write(torch.arange(8, 12), 1)
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     tokens = [1, 2, 3, 4]
     op = off.write_storage(h, tokens, hashing.page_hashes(tokens, PS))
     report = bounded(lambda: off.close(timeout=0.05))
@@ -125,7 +125,7 @@ def test_close_without_stuck_work_is_clean_and_idempotent():
     report = off.close()
     assert report == CloseReport(clean=True, timeout=DEFAULT_CLOSE_TIMEOUT_S)
     assert off.close(timeout=0).clean
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     off.free_host(h)
 
 
@@ -163,7 +163,7 @@ def test_stack_close_takes_a_timeout_and_reports_a_stuck_copy():
     report = bounded(lambda: stack.close(timeout=0.05))
     assert not report.clean and report.abandoned_writes == [7] and report.device_slots == slots.tolist()
     eng.release.set()
-    assert drain(stack.offloader.finished_writes, 1) == [7]
+    assert drain(polls(stack.offloader).ended, 1) == [7]
     with pytest.raises(ValueError):
         stack.close(timeout=-1)
 
@@ -180,7 +180,7 @@ def test_stack_close_is_bounded_through_a_file_write_hung_in_the_filesystem(tmp_
     keys = hashing.page_hashes(tokens, PS)
     hung = HungWrite(store, keys[1] + store.suffix, monkeypatch)
     h = off.write(torch.arange(8, 8 + 2 * PS), 1)
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     op = off.write_storage(h, tokens, keys)  # two pages: written by the store's writer threads
     hung.wait_stuck()
     report = bounded(lambda: stack.close(timeout=0.2))
@@ -249,7 +249,7 @@ def test_close_never_reads_slot_ids_on_the_device_it_counts_them():
     assert report.device_slots == [16, 17, 18, 19] and report.device_slots_unread == 8
     assert "8 slot ids on the device, not read" in report.reason
     eng.release.set()
-    assert sorted(drain(off.finished_writes, 2)) == [3, 4]
+    assert sorted(drain(polls(off).ended, 2)) == [3, 4]
 
 
 def test_stack_close_that_abandons_a_copy_keeps_the_host_pool_pinned():
@@ -264,7 +264,7 @@ def test_stack_close_that_abandons_a_copy_keeps_the_host_pool_pinned():
     assert not bounded(lambda: stack.close(timeout=0.05)).clean
     assert stack.host_pool.kept
     eng.release.set()
-    assert drain(stack.offloader.finished_writes, 1) == [7]
+    assert drain(polls(stack.offloader).ended, 1) == [7]
 
 
 # -- one bound for everything stuck at once (issue 35) ----------------------------------------
@@ -287,7 +287,7 @@ def test_offloader_close_with_a_stuck_copy_and_a_stuck_storage_write_returns_wit
     eng, store = StuckEngine(threads=1), StuckStorage("_m_0_1")
     off, host = make(engine=eng, storage=store)
     h = off.write(torch.arange(8, 12), 1)
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     tokens = [1, 2, 3, 4]
     op = off.write_storage(h, tokens, hashing.page_hashes(tokens, PS))    # blocks in batch_set
     eng.stuck.add(2)
@@ -298,7 +298,7 @@ def test_offloader_close_with_a_stuck_copy_and_a_stuck_storage_write_returns_wit
     assert not report.clean and report.abandoned_writes == [2] and report.abandoned_storage == [op]
     eng.release.set()
     store.release.set()
-    assert drain(off.finished_writes, 1) == [2] and drain(off.finished_storage, 1) == [op]
+    assert drain(polls(off).ended, 1) == [2] and drain(off.finished_storage, 1) == [op]
 
 
 def test_stack_close_with_a_stuck_copy_and_a_file_write_hung_in_the_filesystem_returns_within_its_timeout(
@@ -319,7 +319,7 @@ def test_stack_close_with_a_stuck_copy_and_a_file_write_hung_in_the_filesystem_r
     keys = hashing.page_hashes(tokens, PS)
     hung = HungWrite(store, keys[1] + store.suffix, monkeypatch)
     h = off.write(torch.arange(8, 8 + 2 * PS), 1)
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     op = off.write_storage(h, tokens, keys)
     hung.wait_stuck()
     eng.stuck.add(2)
@@ -332,7 +332,7 @@ def test_stack_close_with_a_stuck_copy_and_a_file_write_hung_in_the_filesystem_r
     assert stack.host_pool.kept                       # a copy may still write into it
     eng.release.set()
     hung.release()
-    assert drain(off.finished_writes, 1) == [2]
+    assert drain(polls(off).ended, 1) == [2]
     assert drain(off.finished_storage, 1) == [op] and off.failed_storage() == [op]
 
 

@@ -61,7 +61,7 @@ import hashing  # noqa: E402
 from transfer import CpuCopyEngine, PageSizeMismatch  # noqa: E402
 from transfer.gather import ChunkCopy  # noqa: E402
 from transfer.storage.identity import DeploymentIdentity  # noqa: E402
-from tests.support.transfer_helpers import drain  # noqa: E402
+from tests.support.transfer_helpers import drain, polls  # noqa: E402
 
 
 def test_the_deployment_identity_carries_every_option():
@@ -139,7 +139,7 @@ def test_kv_events_announce_host_and_tier_pages():
     off = s.offloader
     slots = s.allocator.alloc(4)
     h = off.write(slots, 1)
-    assert drain(off.finished_writes, 1) == [1]
+    assert drain(polls(off).ended, 1) == [1]
     tokens = [5, 6, 7, 8]
     keys = hashing.page_hashes(tokens, 4)
     op = off.write_storage(h, tokens, keys)
@@ -247,7 +247,7 @@ def test_close_with_stuck_copy_load_and_tier_returns_at_its_timeout_naming_all_t
                   "cancelled; those pages may still appear)")
     assert report.reason.startswith("close timed out after 0.05s: 1 device->host copies")
     assert report.reason.endswith(f"returned to the pool; {prefix}; {tier_pages}")
-    assert drain(s.offloader.finished_writes, 1) == [7]
+    assert drain(polls(s.offloader).ended, 1) == [7]
 
 
 def test_the_device_pools_are_built_on_the_requested_device():
