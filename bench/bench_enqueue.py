@@ -72,12 +72,12 @@ def offloader_run(steps: int, batch: int, chunk_pages: int, gap_s: float) -> tup
         ack += batch
         time.sleep(gap_s)
         with enq:
-            landed = off.finished_writes()
+            landed = off.finished_writes().landed
         with free:
             for done in landed:
                 off.free_host(hosts.pop(done))
     while hosts:  # settle the tail (not timed)
-        for done in off.finished_writes():
+        for done in off.finished_writes().landed:
             off.free_host(hosts.pop(done))
         time.sleep(0.001)
     off.close()

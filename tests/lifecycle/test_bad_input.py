@@ -244,3 +244,23 @@ def test_a_missing_offloader_and_missing_offloader_methods_are_named():
     with pytest.raises(ConfigError) as err:
         DecodeOffloadManager(_row_pool(), _allocator(), page_size=4, offloader=object())
     assert str(err.value) == "offloader lacks write, finished_writes, write_storage, finished_storage, free_host, close"
+
+
+def test_an_offloader_without_close_is_refused_at_construction_and_nothing_is_claimed():
+    """transfer/offloader.py: ``close(timeout)`` is part of the protocol, checked once at
+    construction (no probing at shutdown): an offloader lacking only it is a ConfigError naming
+    it, and the offloader is left free for a manager built over a complete one."""
+    from lifecycle_tools.testkit.memory import InMemoryOffloader
+
+    class NoClose:
+        def __init__(self):
+            self.inner = InMemoryOffloader(page_size=4)
+            for m in ("write", "finished_writes", "write_storage", "finished_storage", "free_host"):
+                setattr(self, m, getattr(self.inner, m))
+
+    off = NoClose()
+    with pytest.raises(ConfigError) as err:
+        DecodeOffloadManager(_row_pool(), _allocator(), page_size=4, offloader=off)
+    assert str(err.value) == "offloader lacks close"
+    off.close = off.inner.close
+    DecodeOffloadManager(_row_pool(), _allocator(), page_size=4, offloader=off)
