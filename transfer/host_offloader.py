@@ -241,6 +241,8 @@ class HostOffloader:
             ended = [a for a in ended if a not in bad]
         elif not ended and not expired:
             return EMPTY_REPORT
+        else:
+            failed = []  # never the live list: a report is not changed by later polls
         return WriteReport(ended, failed, expired or [])
 
     def _poll_ended(self) -> list[int]:

@@ -764,3 +764,39 @@ def test_a_discarded_copy_that_lands_stores_and_announces_nothing(how, polled, w
     off.free_host(good)
     assert all(keys[0] not in e[2] and keys[1] not in e[2] for e in pub.events)  # nor removed
     off.close()
+
+
+def test_one_poll_reports_landed_failed_and_expired_in_a_typed_report():
+    """transfer/offloader.py: ``finished_writes`` returns one ``WriteReport``: each ack landed or
+    failed exactly once, expired at most once and never after the report of its end; a poll with
+    nothing to report returns the shared ``EMPTY_REPORT`` (nothing allocated)."""
+    from transfer import EMPTY_REPORT, WriteReport
+
+    clock = FakeClock()
+    eng = Gated(threads=1)
+    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
+    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
+    off = HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), copy_engine=eng,
+                        write_timeout_s=5.0, clock=clock)
+    assert off.finished_writes() is EMPTY_REPORT
+    eng.hold |= {1, 2}
+    eng.fail.add(2)
+    hosts = [off.write(torch.arange(8, 16), 1), off.write(torch.arange(16, 20), 2)]
+    clock.t += 2.0
+    hosts.append(off.write(torch.arange(20, 24), 3))   # deadline later than the others
+    clock.t += 3.0
+    reports = [off.finished_writes()]
+    assert isinstance(reports[0], WriteReport) and sorted(reports[0].expired) == [1, 2]
+    eng.gate.set()
+    drain(lambda: (reports.append(r := off.finished_writes()), r.landed + r.failed)[1],
+          3 - len(reports[0].landed + reports[0].failed))
+    landed = [a for r in reports for a in r.landed]
+    failed = [a for r in reports for a in r.failed]
+    expired = [a for r in reports for a in r.expired]
+    assert sorted(landed) == [3] and sorted(failed) == [1, 2] and sorted(expired) == [1, 2]
+    ended_at = {a: i for i, r in enumerate(reports) for a in r.landed + r.failed}
+    assert all(i <= ended_at[a] for i, r in enumerate(reports) for a in r.expired)
+    assert off.finished_writes() is EMPTY_REPORT
+    for h in hosts:
+        off.free_host(h)
+    off.close()
