@@ -19,7 +19,8 @@ never probes for optional parts afterwards. A copy's outcome comes back in one p
 ``expired``
     Acks whose copy has not ended ``write_timeout_s`` after it was submitted (or that the caller
     discarded). The copy is not cancelled and may *still be reading its device slots*: the caller
-    keeps them allocated until the same ack comes back in ``failed``.
+    keeps them allocated until the same ack is reported ended, and never stores its host pages
+    (``HostOffloader`` reports it ``failed``; the manager treats a ``landed`` one the same).
 
 Each ack given to ``write`` is reported in ``landed`` or ``failed`` exactly once; in ``expired``
 at most once, and never after its ``landed``/``failed`` report (it may share that report: the
