@@ -383,7 +383,7 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
 def _sorted_distinct(a: np.ndarray) -> np.ndarray:
     """``np.unique(a)`` for a chunk's or a row's few hundred ids: one sort and one neighbour compare
     (``np.unique``'s hash path costs several times that on arrays this small)."""
-    s = np.sort(a)
+    s = np.sort(a, kind="stable")  # a row's pages are runs of ascending ids: a merge of runs
     new = s[1:] != s[:-1]
     return s if new.all() else s[np.concatenate(([True], new))]
 
