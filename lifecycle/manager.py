@@ -27,7 +27,7 @@ from lifecycle.ledger import Ledger, Pending
 from lifecycle.log import RateLimitedLog, get_logger
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release, slot_end
-from lifecycle.requests import check_shape, initial_progress, namespace_of, plan_chunk, read_request
+from lifecycle.requests import HostRows, check_shape, initial_progress, namespace_of, plan_chunk, read_request
 from lifecycle.states import Facts, Refusal, State
 
 _PREFILLED, _INFLIGHT, _FINISHED = State.PREFILLED, State.INFLIGHT, State.FINISHED
@@ -76,6 +76,7 @@ class DecodeOffloadManager(CallGate):
         config.release_sink(release_sink)
         self.req_to_token_pool = req_to_token_pool
         self._pool_shape = tuple(req_to_token_pool.req_to_token.shape)  # fixed for the pool's life
+        self._host_rows = HostRows()  # the table's NumPy view, when in host memory (the plans' row reads)
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.offloader, self.release_sink, self.tp_group = offloader, release_sink, tp_group
         self._clock = clock

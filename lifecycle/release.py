@@ -173,8 +173,22 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
     row_id, committed, allocated = view
     ranges = release_ranges(committed, allocated, mgr._alloc_page)
     table = mgr.req_to_token_pool.req_to_token
-    slots = _row_slots(table, row_id, ranges)
+    rows = mgr._host_rows.of(table)
     n_quarantined, check = 0, None
+    if rows is not None:  # a host row: its ids read once, as NumPy, checked, handed over as a tensor
+        slots = _EMPTY
+        if ranges:
+            a = _host_ids(rows, row_id, ranges)
+            if a.shape[0]:
+                held = None if quarantined is None else _as_numpy(quarantined)
+                ids, n_quarantined = check_slots(mgr, rec.rid, row_id, ranges, a, "free", quarantined=held)
+                slots = torch.from_numpy(ids) if ids.shape[0] else _EMPTY
+            else:
+                slots = torch.from_numpy(a)
+        plan = ReleasePlan(req, rec.rid, row_id, ranges, slots, committed, allocated, n_quarantined, None)
+        mgr.release_sink.check(plan)
+        return plan
+    slots = _row_slots(table, row_id, ranges)
     if slots.numel():
         if on_host(slots) or quarantined is not None:
             # host rows always; on a device row, the one exception: a stuck copy's quarantine
@@ -194,19 +208,24 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple) -> torch.Tensor:
+def _row_slots(table: torch.Tensor, row_id: int, ranges: tuple, rows=None) -> torch.Tensor:
     """The int64 slot ids of ``table[row_id]`` over ``ranges`` (a fresh tensor). On the CPU through
     NumPy (one copy-convert); elsewhere through torch on the table's device, nothing read on the host."""
     if not ranges:
         return _EMPTY
-    if not on_host(table):
+    if rows is None and not on_host(table):
         row = table[row_id]
         if len(ranges) == 1:  # a slice is a view of the row: copied, so a later write to the row is not seen
             return row[ranges[0][0]:ranges[0][1]].to(torch.int64, copy=True)
         return torch.cat([row[s:e] for s, e in ranges]).to(torch.int64)
-    row = table.numpy()[row_id]  # an integer table (config refuses others): never requires grad
-    return torch.from_numpy((row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
-                             else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64))
+    return torch.from_numpy(_host_ids(table.numpy() if rows is None else rows, row_id, ranges))
+
+
+def _host_ids(rows: np.ndarray, row_id: int, ranges: tuple) -> np.ndarray:
+    """The int64 slot ids of host table ``rows[row_id]`` over ``ranges`` (non-empty; a fresh array)."""
+    row = rows[row_id]  # an integer table (config refuses others): never requires grad
+    return (row[ranges[0][0]:ranges[0][1]] if len(ranges) == 1
+            else np.concatenate([row[s:e] for s, e in ranges])).astype(np.int64)
 
 
 def _as_numpy(slots: torch.Tensor) -> np.ndarray:

@@ -190,15 +190,36 @@ def initial_progress(mgr, req) -> OffloadedState:
     return OffloadedState(0, names[-1] if names else seed)
 
 
-def row_slots(table: torch.Tensor, row: int, start: int, end: int) -> tuple[torch.Tensor, np.ndarray | None]:
+class HostRows:
+    """The NumPy view of a ``req_to_token`` table in host memory, made once per table (a view
+    shares the table's memory, so a write to a row is seen): the chunk and release plans slice a
+    row there instead of building a view per call. ``of`` returns None for a table on a device."""
+
+    __slots__ = ("table", "rows")
+
+    def __init__(self) -> None:
+        self.table, self.rows = None, None
+
+    def __reduce__(self):  # a cache, not state: a copy (copy.deepcopy, pickle) starts empty and views its own table
+        return HostRows, ()
+
+    def of(self, table: torch.Tensor) -> np.ndarray | None:
+        if table is not self.table:  # a pool replaced its table: view the new one
+            self.rows = table.numpy() if on_host(table) else None  # an integer table: never requires grad
+            self.table = table
+        return self.rows
+
+
+def row_slots(table: torch.Tensor, row: int, start: int, end: int,
+              rows: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
     """``table[row, start:end]`` as a fresh int64 tensor on the table's device, and its ids as NumPy
     on the CPU for the slot check. In host memory one NumPy copy-convert, shared by both (about
     half the cost of the torch indexing and ``to`` for a chunk's few slots). On a device a
     device-side copy, never read on the host (no sync): the ids are None and their values are
     checked on the device (``lifecycle.slots.check_device_chunk``) and where the copy runs
     (``transfer.gather.ChunkCopy``); a bad chunk is a failed copy."""
-    if on_host(table):
-        a = table.numpy()[row, start:end].astype(np.int64)  # an integer table: never requires grad
+    if rows is not None or on_host(table):
+        a = (table.numpy() if rows is None else rows)[row, start:end].astype(np.int64)
         return torch.from_numpy(a), a
     return table[row, start:end].to(torch.int64, copy=True), None
 
@@ -237,7 +258,8 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
         names = page_hashes(tokens, mgr.page_size, rec.offload.last_hash)
     except TokenRangeError:
         names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
-    indices, ids = row_slots(mgr.req_to_token_pool.req_to_token, row, start, end)
+    table = mgr.req_to_token_pool.req_to_token
+    indices, ids = row_slots(table, row, start, end, mgr._host_rows.of(table))
     if ids is not None:
         check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", indices=indices, names=names,
                     serial=rec.serial)

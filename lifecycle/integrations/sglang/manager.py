@@ -142,7 +142,7 @@ class DecodeKVCacheOffloadManager:
     def offload_kv_cache(self, req) -> bool:
         """After a decode step: enqueue the request's next full chunk. See ``DecodeOffloadManager``.
         A request SGLang released itself (retracted) and resumed with a new row is readmitted first."""
-        if self._released_by_sglang and req in self._released_by_sglang and not self._readmit(req):
+        if self._released_by_sglang.data and req in self._released_by_sglang and not self._readmit(req):
             return False
         return self.manager.offload_kv_cache(req)
 
@@ -153,7 +153,7 @@ class DecodeKVCacheOffloadManager:
     def finalize_release_on_finish(self, req) -> None:
         """A finished request with nothing more to offload: release now or when its copies land.
         A request SGLang already released itself and that holds no row again has nothing to free."""
-        if self._released_by_sglang and req in self._released_by_sglang and not self._readmit(req):
+        if self._released_by_sglang.data and req in self._released_by_sglang and not self._readmit(req):
             return
         self.manager.finalize_release_on_finish(req)
 

@@ -82,7 +82,7 @@ class SGLangReleaseSink:
                 inside the row, or slots are quarantined (``free_kv_row`` frees whole ranges; the
                 integration sets no copy deadline, so none ever are).
         """
-        if self._sglang_frees and plan.req in self._sglang_frees:
+        if self._sglang_frees.data and plan.req in self._sglang_frees:
             return
         req = plan.req
         rid = getattr(req, "rid", None)
@@ -123,7 +123,7 @@ class SGLangReleaseSink:
         """Release the request as SGLang does: slots (one call), row, kv record, and the protected
         count (0.5.19) or the tree lock (0.5.23). False (nothing done) for a request SGLang frees
         itself (``released_by_sglang``)."""
-        if self._sglang_frees and plan.req in self._sglang_frees:
+        if self._sglang_frees.data and plan.req in self._sglang_frees:
             return False
         req = plan.req
         if self.through_lock:
