@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle_tools.testkit.missing import skip_or_fail
 from lifecycle_tools.testkit.process import popen_kwargs
 from lifecycle_tools.testkit.redis_server import free_port, stop_process
 
@@ -48,9 +49,7 @@ def require_mooncake() -> Path:
     """The package directory; skip the test when Mooncake is missing (fail under ``CI=true``)."""
     reason = missing_reason()
     if reason is not None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {reason}", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail(reason)
     return mooncake_dir()
 
 

@@ -14,8 +14,7 @@ import time
 import urllib.error
 import urllib.request
 
-import pytest
-
+from lifecycle_tools.testkit.missing import skip_or_fail
 from lifecycle_tools.testkit.process import popen_kwargs
 from lifecycle_tools.testkit.redis_server import free_port, stop_process
 
@@ -28,9 +27,7 @@ def require_binary() -> str:
     if path is None:
         msg = ("prometheus-pushgateway not found on PATH (apt-get install prometheus-pushgateway, or set "
                f"{BINARY_ENV}=/path/to/pushgateway)")
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {msg}", pytrace=False)
-        pytest.skip(msg)
+        skip_or_fail(msg)
     return path
 
 

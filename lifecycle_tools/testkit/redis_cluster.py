@@ -10,13 +10,13 @@ Missing binaries skip the test (fail under ``CI=true``), as for the single serve
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 
 import pytest
 import redis
 
+from lifecycle_tools.testkit.missing import skip_or_fail
 from lifecycle_tools.testkit.redis_server import RedisServer, free_port, require_server, server_binary
 
 CLUSTER_ARGS = ("--cluster-enabled", "yes", "--cluster-node-timeout", "2000", "--cluster-config-file",
@@ -95,9 +95,7 @@ def require_cluster() -> tuple[str, str]:
     cli = cli_binary()
     if cli is None:
         msg = "redis-cli not found on PATH (apt-get install redis-tools / redis-server)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(f"CI=true but {msg}", pytrace=False)
-        pytest.skip(msg)
+        skip_or_fail(msg)
     return binary, cli
 
 

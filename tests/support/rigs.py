@@ -29,16 +29,8 @@ class _Common:
     mgr: DecodeOffloadManager
     off: InMemoryOffloader
 
-    def decode(self, req, steps, first=7001):
-        """``steps`` decode steps, offloading after each; returns what ``offload_kv_cache`` said."""
-        out = []
-        for i in range(steps):
-            req.decode(first + i)
-            out.append(self.mgr.offload_kv_cache(req))
-        return out
-
-    def progress(self):
-        self.mgr.check_offload_progress()
+    decode = Rig.decode        # the real rig's decode steps and progress check, for both kinds
+    progress = Rig.progress
 
     def land_all(self):
         self.off.land()
