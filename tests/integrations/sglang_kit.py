@@ -185,6 +185,51 @@ def hicache_file_get(directory: str, key: str, suffix: str, nbytes: int) -> byte
 REQUIRE_ENV = "KV_LIFECYCLE_REQUIRE_SGLANG"
 
 
+def tiny_llama(directory) -> str:
+    """A tiny Llama ``config.json`` in ``directory/model`` (3 layers, 2 heads of 32, bf16): enough for
+    SGLang's ``ServerArgs`` to resolve a model; its path."""
+    import json
+    from pathlib import Path
+
+    model = Path(directory) / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "num_hidden_layers": 3, "intermediate_size": 128, "vocab_size": 1000,
+        "max_position_embeddings": 512, "head_dim": 32, "torch_dtype": "bfloat16"}))
+    return str(model)
+
+
+def start_scheduler_process(args) -> None:
+    """What a decode scheduler process sets up before building its managers: ``args`` published as
+    the runtime context (0.5.23 also with this process's rank placement) and gloo model-parallel
+    groups of one rank. Undo with ``stop_scheduler_process``."""
+    import inspect
+
+    from sglang.srt import runtime_context
+    from sglang.srt.distributed import parallel_state as ps
+
+    from lifecycle_tools.testkit.redis_server import free_port
+
+    if "ranks" in inspect.signature(runtime_context.publish).parameters:  # 0.5.23: this process's place
+        runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
+    else:
+        runtime_context.publish(args, role="scheduler")
+    ps.init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                    distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+    ps.initialize_model_parallel(backend="gloo")
+
+
+def stop_scheduler_process() -> None:
+    """Undo ``start_scheduler_process``."""
+    from sglang.srt import runtime_context
+    from sglang.srt.distributed import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
+    runtime_context.reset_context()
+
+
 def require_sglang() -> None:
     """Skip the calling test when sglang does not import here, unless ``KV_LIFECYCLE_REQUIRE_SGLANG=1``
     (set by ``.ci/sglang-env``): then a missing sglang fails the test instead of skipping it."""

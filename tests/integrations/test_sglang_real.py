@@ -14,13 +14,14 @@ reading every page bit-exact.
 
 from __future__ import annotations
 
-import json
 from array import array
 
 import pytest
 import torch
 
-from tests.integrations.sglang_kit import Node, require_sglang, sglang_kit, sglang_version
+from tests.integrations.sglang_kit import (
+    Node, require_sglang, sglang_kit, sglang_version, start_scheduler_process, stop_scheduler_process, tiny_llama,
+)
 from tests.integrations.test_sglang import expected_pages
 
 MODEL = "org/Tiny-Llama"
@@ -34,37 +35,21 @@ def sglang_scheduler(tmp_path, monkeypatch):
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)
-    from sglang.srt import runtime_context
-    from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import ServerArgs
 
     from lifecycle.integrations.sglang import uninstall
-    from lifecycle_tools.testkit.redis_server import free_port
 
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "num_hidden_layers": 3, "intermediate_size": 128, "vocab_size": 1000,
-        "max_position_embeddings": 512, "head_dim": 32, "torch_dtype": "bfloat16"}))
+    model = tiny_llama(tmp_path)
     store = tmp_path / "hicache"
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(store))
     monkeypatch.delenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", raising=False)
     monkeypatch.setenv("KV_LIFECYCLE_SGLANG", "1")
-    args = ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu", page_size=4,
+    args = ServerArgs(model_path=model, skip_tokenizer_init=True, device="cpu", page_size=4,
                       served_model_name=MODEL, disaggregation_mode="decode",
                       disaggregation_decode_enable_offload_kvcache=True, hicache_storage_backend="file",
                       hicache_io_backend="kernel", hicache_mem_layout="page_first")
-    import inspect
-
-    if "ranks" in inspect.signature(runtime_context.publish).parameters:  # 0.5.23: this process's place
-        runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
-    else:
-        runtime_context.publish(args, role="scheduler")
-    ps.init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                    distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    ps.initialize_model_parallel(backend="gloo")
+    start_scheduler_process(args)
     load_plugins()  # what run_scheduler_process does first
     from lifecycle.integrations.sglang import installed
 
@@ -79,9 +64,7 @@ def sglang_scheduler(tmp_path, monkeypatch):
         yield scheduler, str(store)
     finally:
         uninstall()
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
-        runtime_context.reset_context()
+        stop_scheduler_process()
 
 
 def real_kit(tree: str):

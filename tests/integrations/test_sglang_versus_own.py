@@ -23,8 +23,6 @@ zero-copy puts over TCP) — is SGLang's own.
 
 from __future__ import annotations
 
-import inspect
-import json
 import os
 import time
 import urllib.request
@@ -34,7 +32,9 @@ import pytest
 import torch
 
 from lifecycle_tools.testkit.mooncake_server import make_mooncake  # noqa: F401 (fixture)
-from tests.integrations.sglang_kit import Node, require_sglang, sglang_kit, sglang_version
+from tests.integrations.sglang_kit import (
+    Node, require_sglang, sglang_kit, sglang_version, start_scheduler_process, stop_scheduler_process, tiny_llama,
+)
 
 MODEL = "org/Tiny-Llama"
 PROMPT = list(range(10, 23))  # three prompt pages (the prefill node's) and one token
@@ -73,41 +73,25 @@ def decode_scheduler(backend, tmp_path, monkeypatch):
     warnings.filterwarnings("ignore", category=UserWarning)
     import sglang.srt.mem_cache.pool_host.common as host_common
     import sglang.srt.mem_cache.pool_host.mha as host_mha
-    from sglang.srt import runtime_context
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.server_args import ServerArgs
 
-    from lifecycle_tools.testkit.redis_server import free_port
 
     monkeypatch.setattr(host_common, "_cuda_host_register", lambda *a, **k: None)
     monkeypatch.setattr(host_mha, "transfer_kv_all_layer_direct_lf_pf", _direct_lf_pf, raising=False)
     monkeypatch.delenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", raising=False)
     for var in MOONCAKE_ENV:
         monkeypatch.delenv(var, raising=False)
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "num_hidden_layers": 3, "intermediate_size": 128, "vocab_size": 1000,
-        "max_position_embeddings": 512, "head_dim": 32, "torch_dtype": "bfloat16"}))
     # hicache_ratio 2.0: what SGLang's kv_cache_builder resolves for decode offload (it does not run here)
-    args = ServerArgs(model_path=str(model), skip_tokenizer_init=True, device="cpu", page_size=4,
+    args = ServerArgs(model_path=tiny_llama(tmp_path), skip_tokenizer_init=True, device="cpu", page_size=4,
                       served_model_name=MODEL, disaggregation_mode="decode",
                       disaggregation_decode_enable_offload_kvcache=True, hicache_storage_backend=backend,
                       hicache_io_backend="direct", hicache_mem_layout="page_first_direct", hicache_ratio=2.0)
-    if "ranks" in inspect.signature(runtime_context.publish).parameters:  # 0.5.23: this process's place
-        runtime_context.publish(args, role="scheduler", ranks=runtime_context.SpawnRanks(world_rank=0))
-    else:
-        runtime_context.publish(args, role="scheduler")
-    ps.init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
-                                    distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-    ps.initialize_model_parallel(backend="gloo")
+    start_scheduler_process(args)
     try:
         yield ps.get_tp_group().cpu_group
     finally:
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
-        runtime_context.reset_context()
+        stop_scheduler_process()
 
 
 def _node():

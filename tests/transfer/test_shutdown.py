@@ -151,7 +151,8 @@ def test_worker_close_bounds_the_total_wait_not_each_thread():
     assert w.close(timeout=5) is True and w.unfinished() == []
 
 
-def test_stack_close_takes_a_timeout_and_reports_a_stuck_copy():
+def stack_with_a_stuck_copy():
+    """A stack whose copy engine holds ack 7 (8 slots) until released: (stack, engine, the slots)."""
     stack = build_stack(2, 2, 8, torch.bfloat16, PS, 32, 32, 2, 32)
     eng = StuckEngine(threads=1)
     stack.offloader.engine.close()
@@ -160,6 +161,11 @@ def test_stack_close_takes_a_timeout_and_reports_a_stuck_copy():
     slots = stack.allocator.alloc(8)
     stack.offloader.write(slots, 7)
     drain(lambda: [1] if 7 in eng.started else [], 1)
+    return stack, eng, slots
+
+
+def test_stack_close_takes_a_timeout_and_reports_a_stuck_copy():
+    stack, eng, slots = stack_with_a_stuck_copy()
     report = bounded(lambda: stack.close(timeout=0.05))
     assert not report.clean and report.abandoned_writes == [7] and report.device_slots == slots.tolist()
     eng.release.set()
@@ -254,13 +260,7 @@ def test_close_never_reads_slot_ids_on_the_device_it_counts_them():
 
 def test_stack_close_that_abandons_a_copy_keeps_the_host_pool_pinned():
     """The host pool is not closed (unpinned) under a copy still in flight: kept until exit."""
-    stack = build_stack(2, 2, 8, torch.bfloat16, PS, 32, 32, 2, 32)
-    eng = StuckEngine(threads=1)
-    stack.offloader.engine.close()
-    stack.offloader.engine = eng
-    eng.stuck.add(7)
-    stack.offloader.write(stack.allocator.alloc(8), 7)
-    drain(lambda: [1] if 7 in eng.started else [], 1)
+    stack, eng, _ = stack_with_a_stuck_copy()
     assert not bounded(lambda: stack.close(timeout=0.05)).clean
     assert stack.host_pool.kept
     eng.release.set()
