@@ -452,12 +452,18 @@ class DecodeOffloadManager(CallGate):
         chunks reach storage in order), finished storage ops; a request whose last copy ended moves
         on (``_copies_ended``).
 
+        A collaborator that raises while one completion is settled (the offloader's ``free_host``,
+        the allocator freeing an expired copy's slots) stops nothing else: that completion is
+        settled as far as the ledger goes (its slots no longer counted as read, its request moved
+        on), the rest are settled, then the first such error is raised.
+
         Raises:
             UnknownCompletion: the offloader reported an id never issued (after settling the rest).
+            Exception: the first error a collaborator raised while settling (after settling the rest).
             LifecycleError: the release of a finished request whose last copy landed was refused
                 (after settling the rest; the request stays FINISHED for a retry).
         """
-        refused = []
+        refused, failed = [], []  # refused releases; collaborators' errors (settling went on)
         settle.collect(self)  # one finished_writes poll: landed / failed / expired
         if self._ledger.expiring:
             for ack in self._ledger.take_expiring():
@@ -466,15 +472,17 @@ class DecodeOffloadManager(CallGate):
                     self._copies_ended(chunk.rec, chunk.req, refused)
         due = self._ledger.settleable(settle.agreement(self.tp_group))
         for q in due.ended:
-            settle.expired_ended(self, q)
+            settle.expired_ended(self, q, failed)
         for ack in due.acks:
-            chunk = settle.landed(self, ack)
+            chunk = settle.landed(self, ack, failed)
             if not chunk.rec.inflight:
                 self._copies_ended(chunk.rec, chunk.req, refused)
         if due.ops:
-            settle.stored(self, due.ops)
+            settle.stored(self, due.ops, failed)
         if due.unknown:
             raise UnknownCompletion(f"offloader reported ids never issued or already settled: {due.unknown}")
+        if failed:
+            raise failed[0]
         if refused:
             raise refused[0]
 

@@ -35,20 +35,29 @@ def collect(mgr) -> None:
     mgr._ledger.collect(ended, failed, off.finished_storage(), report.expired)
 
 
-def landed(mgr, ack: int) -> Chunk:
-    """A copy landed: store its pages (or drop them: a failed copy). Returns its chunk."""
+def _free_host(mgr, host, errors: list) -> None:
+    """Hand host pages back; an offloader that raises is noted in ``errors`` (settling goes on)."""
+    try:
+        mgr.offloader.free_host(host)
+    except Exception as err:
+        errors.append(err)
+
+
+def landed(mgr, ack: int, errors: list) -> Chunk:
+    """A copy landed: store its pages (or drop them: a failed copy). Returns its chunk; the
+    ledger has settled it even when the offloader raised (noted in ``errors``)."""
     chunk, failed = mgr._ledger.land(ack)
     rec = chunk.rec
     if failed:
         mgr._emit(rec.log.error, audit.COPY_FAILED, ack_id=ack, start=chunk.start, end=chunk.end)
-        mgr.offloader.free_host(chunk.host)
+        _free_host(mgr, chunk.host, errors)
         return chunk
     op_id = None
     try:
         op_id = mgr.offloader.write_storage(chunk.host, chunk.tokens, chunk.page_hashes, chunk.parent_hash)
     except Exception as err:
         mgr._emit(rec.log.error, audit.CHUNK_LANDED, ack_id=ack, error=repr(err))
-        mgr.offloader.free_host(chunk.host)
+        _free_host(mgr, chunk.host, errors)
     else:
         mgr._ledger.add_storage_op(StorageOp(
             op_id, rec.rid, ack, chunk.host, len(chunk.page_hashes), chunk.page_hashes[0], chunk.page_hashes[-1],
@@ -61,20 +70,32 @@ def landed(mgr, ack: int) -> Chunk:
     return chunk
 
 
-def expired_ended(mgr, q: Quarantine) -> None:
-    """An expired copy finally ended: its host pages, and its slots if already released, go back."""
+def expired_ended(mgr, q: Quarantine, errors: list) -> None:
+    """An expired copy finally ended: its host pages, and its slots if already released, go back
+    (a pool that raises is noted in ``errors``; the ledger has settled it either way)."""
     mgr._ledger.end_expired(q)
-    mgr.offloader.free_host(q.host)
+    _free_host(mgr, q.host, errors)
     if q.released:
-        mgr.token_to_kv_pool_allocator.free(q.slots)
+        try:
+            mgr.token_to_kv_pool_allocator.free(q.slots)
+        except Exception as err:
+            errors.append(err)
     mgr._emit(mgr._log.warning, audit.EXPIRED_COPY_ENDED, rid=q.rid, ack_id=q.ack_id,
               slots_freed=q.slots.numel() if q.released else 0)
 
 
-def stored(mgr, op_ids: list) -> None:
-    """Storage ops finished (either way): their host pages go back, in one ``free_host`` call."""
+def stored(mgr, op_ids: list, errors: list) -> None:
+    """Storage ops finished (either way): their host pages go back, in one ``free_host`` call
+    (an offloader that raises is noted in ``errors``)."""
     ops = [mgr._ledger.finish_storage(op_id) for op_id in op_ids]
-    mgr.offloader.free_host(ops[0].host if len(ops) == 1 else torch.cat([op.host for op in ops]))
+    if len(ops) == 1:
+        _free_host(mgr, ops[0].host, errors)
+    else:
+        try:
+            mgr.offloader.free_host(torch.cat([op.host for op in ops]))
+        except Exception:  # an offloader's free changes nothing when it raises: op by op, so one
+            for op in ops:  # op's bad pages keep no other op's pages from going back
+                _free_host(mgr, op.host, errors)
     if mgr._debug:
         for op in ops:
             mgr._emit(mgr._log.debug, audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from transfer.offloader import WriteReport
 import pytest
+import torch
 from structlog.testing import capture_logs
 
 from hashing import page_hashes
@@ -321,3 +322,74 @@ def test_another_requests_chunk_does_not_wait():
     rig.off.land(rig.mgr.copies_of(b))                  # b's chunks land, a's are still in flight
     rig.progress()
     assert len(stored_names(rig)) == 2 and rig.mgr.copies_of(b) == [] and len(rig.mgr.copies_of(a)) == 2
+
+
+class FreeHostFails:
+    """Wraps an offloader's ``free_host`` to raise, freeing nothing, when asked to free any host
+    index of the tensors in ``bad``."""
+
+    def __init__(self, off):
+        self.off, self.real, self.bad, self.raised = off, off.free_host, [], 0
+        off.free_host = self
+
+    def __call__(self, host):
+        if any(bool(torch.isin(host, b).any()) for b in self.bad):
+            self.raised += 1
+            raise RuntimeError("host pages cannot be freed")
+        self.real(host)
+
+
+def test_a_free_host_error_while_settling_expired_copies_settles_the_others_then_raises():
+    from tests.lifecycle.test_two_expired_copies import two_expired
+
+    rig, sink, req, slots, start_free, _ = two_expired()
+    ledger = rig.mgr._ledger
+    broken = FreeHostFails(rig.off)
+    broken.bad = [ledger.expired[1].host]
+    rig.off.land([1, 2])
+    with pytest.raises(RuntimeError, match="cannot be freed"):
+        rig.progress()
+    assert broken.raised == 1
+    assert not ledger.expired and ledger.reading.total() == 0  # both ended: no slot still counted as read
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)                    # nothing refused as "still read"
+    assert rig.mgr.state_of(req) is State.RELEASED and sink.plans[-1].quarantined == 0
+    assert rig.alloc.available_size() == start_free
+    rig.mgr.check_integrity()
+
+
+def test_a_free_host_error_for_a_failed_copy_still_moves_its_request_on():
+    rig = Rig(PS)
+    req, _ = rig.admit("f", 8, 16)
+    rig.decode(req, 4)                                          # ack 1
+    broken = FreeHostFails(rig.off)
+    broken.bad = [rig.mgr._ledger.ongoing[1].host]
+    rig.off.fail([1])
+    with pytest.raises(RuntimeError, match="cannot be freed"):
+        rig.progress()
+    assert rig.mgr.state_of(req) is State.PREFILLED and not rig.mgr._ledger.ongoing
+    assert rig.mgr.copies_of(req) == []
+    req.finish()
+    rig.mgr.finalize_release_on_finish(req)
+    assert rig.mgr.state_of(req) is State.RELEASED
+
+
+def test_one_storage_ops_host_pages_failing_to_free_keep_no_other_ops_pages():
+    rig = Rig(PS)
+    a, _ = rig.admit("a", 8, 16)
+    b, _ = rig.admit("b", 8, 16)
+    rig.decode(a, 4)
+    rig.decode(b, 4)
+    rig.off.land()
+    rig.progress()                                              # both chunks handed to storage
+    ops = list(rig.mgr._ledger.storage_ops.values())
+    assert len(ops) == 2
+    free_before = rig.off.host_free_pages()
+    broken = FreeHostFails(rig.off)
+    broken.bad = [ops[0].host]
+    rig.off.complete_storage()
+    with pytest.raises(RuntimeError, match="cannot be freed"):
+        rig.progress()
+    assert not rig.mgr._ledger.storage_ops
+    assert broken.raised == 2                                   # the whole call, then the one op alone
+    assert rig.off.host_free_pages() == free_before + ops[1].host.numel() // PS
