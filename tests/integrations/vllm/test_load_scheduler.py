@@ -146,7 +146,7 @@ class Engine:
     """vLLM's scheduler and, in-process, the worker side over ``allocate_kv_cache``'s tensors,
     stepped as vLLM's engine core and model runner step them."""
 
-    def __init__(self, tmp_path, *, gate: threading.Event | None = None) -> None:
+    def __init__(self, tmp_path, *, gate: threading.Event | None = None, store_dir=None) -> None:
         model = tmp_path / "model"
         model.mkdir()
         (model / "config.json").write_text(json.dumps({
@@ -154,8 +154,8 @@ class Engine:
             "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "num_hidden_layers": LAYERS,
             "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512, "head_dim": DIM,
             "torch_dtype": "bfloat16"}))
-        self.dir = str(tmp_path / "store")
-        os.makedirs(self.dir)
+        self.dir = str(store_dir or tmp_path / "store")   # the tier's directory (a HiCacheFile directory)
+        os.makedirs(self.dir, exist_ok=True)
         if gate is not None:
             GATES[self.dir] = gate
         cache = CacheConfig(block_size=BS, enable_prefix_caching=True)
