@@ -32,6 +32,7 @@ from transfer.errors import StorageUnavailable
 from transfer.stack import page_format
 from transfer.storage.file import FileStorage
 from transfer.storage.memory import MemoryStorage
+from transfer.storage.spec import open_storage
 
 BS, LAYERS, HEADS, DIM = 4, 3, 2, 8
 SUFFIX = "_org-M_0_1"
@@ -48,7 +49,7 @@ class Clock:
         return self.now
 
 
-def request(req_id, tokens, **fields):
+def vllm_request(req_id, tokens, **fields):
     """The fields of vLLM's ``Request`` the planner reads (the real one: test_load_scheduler.py)."""
     return SimpleNamespace(request_id=req_id, all_token_ids=list(tokens), num_tokens=len(tokens),
                            cache_salt=fields.get("cache_salt"), lora_request=fields.get("lora_request"),
@@ -155,16 +156,16 @@ def test_lookup_is_pending_then_answers_whole_pages_beyond_the_local_hit_never_t
     stored_prefix(store, src.layout, tokens, list(range(16)))
     planner = LoadPlanner(Gate(store), BS)
     try:
-        req = request("a", tokens)
+        req = vllm_request("a", tokens)
         assert planner.matched_tokens(req, 0) == (None, False)    # pending: vLLM asks again later
         planner.storage.opened.set()
         assert answer(planner, req) == (24, True)                 # 6 pages, all loadable
         assert planner.matched_tokens(req, 8) == (16, True)       # beyond a local hit of 2 pages
         assert planner.take_load_jobs() == []                     # asking planned nothing
         # exactly a whole number of pages: the last page holds the last token, never loaded
-        exact = request("b", tokens[:24])
+        exact = vllm_request("b", tokens[:24])
         assert answer(planner, exact) == (20, True)
-        assert planner.matched_tokens(request("c", tokens[:4]), 0) == (0, False)   # nothing to load
+        assert planner.matched_tokens(vllm_request("c", tokens[:4]), 0) == (0, False)   # nothing to load
         assert planner.matched_tokens(req, 6) == (0, False)       # a local hit not on a page boundary
         assert planner.matched_tokens(req, 24) == (0, False)      # the local hit covers every stored page
     finally:
@@ -178,20 +179,20 @@ def test_the_lookup_names_pages_as_an_sglang_node_does_namespace_included(store,
     stored_prefix(store, src.layout, tokens, list(range(16)), seed=seed)
     planner = LoadPlanner(store, BS)
     try:
-        assert answer(planner, request("plain", tokens)) == (0, False)          # another namespace
-        assert answer(planner, request("salted", tokens, cache_salt=salt)) == (12, True)
-        planner.after_alloc(request("salted", tokens, cache_salt=salt), blocks_of([9, 3, 5, 7]), 12)
+        assert answer(planner, vllm_request("plain", tokens)) == (0, False)          # another namespace
+        assert answer(planner, vllm_request("salted", tokens, cache_salt=salt)) == (12, True)
+        planner.after_alloc(vllm_request("salted", tokens, cache_salt=salt), blocks_of([9, 3, 5, 7]), 12)
         (job,) = planner.take_load_jobs()
         assert job.page_hashes == hashing.page_hashes(tokens, BS, seed)
         # LoRA and multimodal requests are not named: a miss, never an error into vLLM
-        assert planner.matched_tokens(request("lora", tokens, lora_request=object()), 0) == (0, False)
-        assert planner.matched_tokens(request("mm", tokens, mm_features=[object()]), 0) == (0, False)
+        assert planner.matched_tokens(vllm_request("lora", tokens, lora_request=object()), 0) == (0, False)
+        assert planner.matched_tokens(vllm_request("mm", tokens, mm_features=[object()]), 0) == (0, False)
     finally:
         planner.close()
     with pytest.raises(InvalidRequest, match="LoRA"):
-        request_namespace(request("lora", tokens, lora_request=object()))
+        request_namespace(vllm_request("lora", tokens, lora_request=object()))
     with pytest.raises(InvalidRequest, match="another namespace"):
-        request_namespace(request("x", tokens, cache_salt="other"), seed)
+        request_namespace(vllm_request("x", tokens, cache_salt="other"), seed)
 
 
 def test_after_alloc_plans_the_pages_into_the_blocks_vllm_allocated_after_the_local_hit(store, src):
@@ -199,7 +200,7 @@ def test_after_alloc_plans_the_pages_into_the_blocks_vllm_allocated_after_the_lo
     names = stored_prefix(store, src.layout, tokens, list(range(16)))
     planner = LoadPlanner(store, BS)
     try:
-        req = request("a", tokens)
+        req = vllm_request("a", tokens)
         answer(planner, req, 8)
         assert planner.matched_tokens(req, 8) == (16, True)
         planner.after_alloc(req, blocks_of([11, 12, 2, 9, 4, 6, 8]), 16)   # 2 local + 4 loaded + 1 new
@@ -211,12 +212,12 @@ def test_after_alloc_plans_the_pages_into_the_blocks_vllm_allocated_after_the_lo
         planner.on_finished_recving({"a"})
         assert not planner.loading("a") and not planner.request_finished("a")
         # decided on num_external_tokens, not on blocks: 0 plans nothing whatever the blocks
-        other = request("b", tokens)
+        other = vllm_request("b", tokens)
         answer(planner, other)
         planner.after_alloc(other, blocks_of([1, 2, 3]), 0)
         assert planner.take_load_jobs() == [] and not planner.loading("b")
         # a count this planner never answered is refused and changes nothing
-        third = request("c", tokens)
+        third = vllm_request("c", tokens)
         answer(planner, third)
         with pytest.raises(InvalidRequest, match="never answered"):
             planner.after_alloc(third, blocks_of(range(7)), 28)
@@ -227,13 +228,27 @@ def test_after_alloc_plans_the_pages_into_the_blocks_vllm_allocated_after_the_lo
         planner.close()
 
 
+def test_synchronous_loads_are_answered_as_such_and_never_wait_for_finished_recving(store, src):
+    tokens = list(range(1, 27))
+    names = stored_prefix(store, src.layout, tokens, list(range(16)))
+    planner = LoadPlanner(store, BS, load_async=False)
+    try:
+        req = vllm_request("s", tokens)
+        assert answer(planner, req) == (24, False)           # vLLM loads it before this step's forward
+        planner.after_alloc(req, blocks_of(range(10, 17)), 24)
+        assert planner.take_load_jobs() == [LoadJob("s", names[:6], list(range(10, 16)), sync=True)]
+        assert not planner.loading("s") and not planner.request_finished("s")
+    finally:
+        planner.close()
+
+
 def test_a_hung_tier_never_blocks_the_scheduler_and_a_late_lookup_is_a_miss(store, src):
     tokens = list(range(1, 27))
     stored_prefix(store, src.layout, tokens, list(range(16)))
     gate, clock = Gate(store), Clock()
     planner = LoadPlanner(gate, BS, lookup_timeout_s=5.0, clock=clock)
     try:
-        req = request("a", tokens)
+        req = vllm_request("a", tokens)
         for _ in range(3):                              # the tier is hung: every ask returns at once
             assert planner.matched_tokens(req, 0) == (None, False)
         assert gate.entered.wait(DEADLINE_S)            # the lookup is inside the tier, on its own thread
@@ -249,10 +264,10 @@ def test_a_tier_that_is_down_is_a_miss_and_the_breaker_stops_asking(src):
     down = Down(src.layout.page_nbytes)
     planner = LoadPlanner(down, BS)
     try:
-        assert answer(planner, request("a", range(1, 27))) == (0, False)
+        assert answer(planner, vllm_request("a", range(1, 27))) == (0, False)
         assert planner.stats().failed == 1 and planner.breaker.state.value == "open"
         calls = down.calls
-        assert planner.matched_tokens(request("b", range(1, 27)), 0) == (0, False)   # not asked
+        assert planner.matched_tokens(vllm_request("b", range(1, 27)), 0) == (0, False)   # not asked
         assert down.calls == calls and planner.stats().skipped == 1
     finally:
         planner.close()
@@ -262,12 +277,12 @@ def test_lookups_are_bounded_an_ask_beyond_the_bound_is_a_miss(store, src):
     gate = Gate(store)
     planner = LoadPlanner(gate, BS, threads=1, max_pending=2)
     try:
-        assert planner.matched_tokens(request("a", range(1, 27)), 0) == (None, False)
-        assert planner.matched_tokens(request("b", range(2, 28)), 0) == (None, False)
+        assert planner.matched_tokens(vllm_request("a", range(1, 27)), 0) == (None, False)
+        assert planner.matched_tokens(vllm_request("b", range(2, 28)), 0) == (None, False)
         assert planner.pending() == 2
-        assert planner.matched_tokens(request("c", range(3, 29)), 0) == (0, False)   # full: a miss
+        assert planner.matched_tokens(vllm_request("c", range(3, 29)), 0) == (0, False)   # full: a miss
         gate.opened.set()
-        assert answer(planner, request("a", range(1, 27))) == (0, False)
+        assert answer(planner, vllm_request("a", range(1, 27))) == (0, False)
     finally:
         planner.close()
 
@@ -285,19 +300,22 @@ def test_bad_planner_settings_are_refused_in_one_typed_line(store):
 
 # -- the worker side -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("split", ["rows", "channels"])
-def test_the_worker_loads_stored_pages_bit_exact_into_the_blocks(tmp_path, split):
+@pytest.mark.parametrize("split,tier", [("rows", "file"), ("channels", "file"), ("rows", "redis")])
+def test_the_worker_loads_stored_pages_bit_exact_into_the_blocks(tmp_path, request, split, tier):
     kv = random_kv(16, seed=2)
     src = caches(split)
     write_kv(src, split, kv)
     layout = VllmKVLayout.from_kv_caches(src, BS)
     host = layout.host_pool(BS, pin=False)
-    store = FileStorage(tmp_path / "s", SUFFIX, layout.page_nbytes, page_format=page_format(host))
+    spec = f"file:{tmp_path / 's'}" if tier == "file" else request.getfixturevalue("redis_url")
+    store = open_storage(spec, SUFFIX, layout.page_nbytes, page_format=page_format(host))
     tokens = list(range(7, 7 + 10 * BS))
     names = stored_prefix(store, layout, tokens, [3, 1, 4, 15, 9, 2, 6, 5, 8, 7])
     dst = caches(split)
     worker = LoadWorker(VllmKVLayout.from_kv_caches(dst, BS), store, threads=2, chunk_pages=3)
+    planner = LoadPlanner(store, BS)
     try:
+        assert answer(planner, vllm_request("q", tokens + [1])) == (10 * BS, True)   # the lookup on this tier
         worker.start([LoadJob("a", names[:6], [10, 11, 0, 12, 13, 14]), LoadJob("b", names[6:], [1, 2, 3, 4])])
         done = set()
         for _ in range(int(DEADLINE_S / 0.01)):
@@ -313,6 +331,7 @@ def test_the_worker_loads_stored_pages_bit_exact_into_the_blocks(tmp_path, split
         assert not got[:, :, slots([5, 6, 7, 8, 9, 15])].view(torch.int16).any()   # nothing else written
         assert worker.stats().pages_loaded == 10 and worker.idle()
     finally:
+        planner.close()
         assert worker.close(DEADLINE_S)
         store.close()
 
