@@ -65,3 +65,26 @@ def read_kv(caches: dict[str, torch.Tensor], split: str, head_dim: int) -> torch
         key, value = _kv_views(t, split, head_dim)
         out.append(torch.stack([key.reshape(-1, *key.shape[2:]), value.reshape(-1, *value.shape[2:])]))
     return torch.stack(out, dim=1)
+
+
+def write_slots(caches: dict[str, torch.Tensor], split: str, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Write ``kv`` (``[2, layers, n, heads, head_dim]``) at token ``slots`` (kernel block *
+    block_tokens + token), as the attention kernels address them: what a forward writes."""
+    head_dim = kv.shape[-1]
+    for layer, t in enumerate(caches.values()):
+        key, value = _kv_views(t, split, head_dim)
+        tokens = key.shape[1]
+        b, i = slots // tokens, slots % tokens
+        key[b, i] = kv[0, layer].to(key.dtype)
+        value[b, i] = kv[1, layer].to(value.dtype)
+
+
+def read_slots(caches: dict[str, torch.Tensor], split: str, slots: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The KV at token ``slots``: ``[2, layers, n, heads, head_dim]``."""
+    out = []
+    for t in caches.values():
+        key, value = _kv_views(t, split, head_dim)
+        tokens = key.shape[1]
+        b, i = slots // tokens, slots % tokens
+        out.append(torch.stack([key[b, i], value[b, i]]))
+    return torch.stack(out, dim=1)

@@ -230,13 +230,17 @@ class VllmKVLayout:
             raise IndexError(f"block ids must lie in 0..{self.num_blocks - 1}")
         return ids
 
-    def _gather(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Blocks ``ids`` into ``out`` (``[n, 2, block_size, layers, heads, head_dim]`` words, any strides)."""
-        dev = ids.to(self.device)
+    def _gather(self, ids: torch.Tensor, out: torch.Tensor, non_blocking: bool = False) -> list:
+        """Blocks ``ids`` into ``out`` (``[n, 2, block_size, layers, heads, head_dim]`` words, any
+        strides). Returns the temporaries a ``non_blocking`` copy reads (keep them alive until it ends)."""
+        dev = ids.to(self.device, non_blocking=non_blocking)
         n = ids.numel()
+        keep = [dev]
         for layer, sem in enumerate(self._sem):
             block = sem.index_select(0, dev).view(n, 2, self.block_size, self.heads, self.head_dim)
-            out[:, :, :, layer].copy_(block)
+            out[:, :, :, layer].copy_(block, non_blocking=non_blocking)
+            keep.append(block)
+        return keep
 
     def page_bytes_of(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A host copy of blocks ``block_ids`` as host pages: ``[n, 2, block_size, layers, heads,
@@ -248,14 +252,19 @@ class VllmKVLayout:
         self._gather(ids, out)
         return out.view(self.dtype)
 
-    def to_host(self, block_ids: Sequence[int], host: HostPool, host_pages: Sequence[int]) -> None:
+    def to_host(self, block_ids: Sequence[int], host: HostPool, host_pages: Sequence[int],
+                non_blocking: bool = False) -> list:
         """Copy blocks ``block_ids`` into ``host``'s pages ``host_pages`` (same count), straight into
-        the pool's buffer (one gather per layer per run of consecutive host pages)."""
+        the pool's buffer (one gather per layer per run of consecutive host pages). With
+        ``non_blocking`` (KV on CUDA, a pinned pool, on the copy stream) returns the temporaries to
+        keep alive until the copy has ended."""
         ids, pages = self._ids(block_ids), [int(p) for p in host_pages]
         self._check_host(host, ids, pages)
         buf = host.buffer.view(self.word)
+        keep = []
         for pos, first, n in _runs(pages):
-            self._gather(ids[pos:pos + n], buf[first:first + n])
+            keep += self._gather(ids[pos:pos + n], buf[first:first + n], non_blocking)
+        return keep
 
     def write_pages(self, block_ids: Sequence[int], pages) -> None:
         """Write host pages into blocks ``block_ids`` (device <- host).
@@ -282,21 +291,29 @@ class VllmKVLayout:
             src = torch.stack([p.reshape(-1).view(torch.uint8) for p in pages]).view(self.word).view(-1, *shape)
         self._scatter(ids, src)
 
-    def from_host(self, host: HostPool, host_pages: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Copy ``host``'s pages ``host_pages`` into blocks ``block_ids`` (same count)."""
+    def from_host(self, host: HostPool, host_pages: Sequence[int], block_ids: Sequence[int],
+                  non_blocking: bool = False) -> list:
+        """Copy ``host``'s pages ``host_pages`` into blocks ``block_ids`` (same count); returns what
+        a ``non_blocking`` copy reads (see ``to_host``)."""
         ids, pages = self._ids(block_ids), [int(p) for p in host_pages]
         self._check_host(host, ids, pages)
         buf = host.buffer.view(self.word)
+        keep = []
         for pos, first, n in _runs(pages):
-            self._scatter(ids[pos:pos + n], buf[first:first + n])
+            keep += self._scatter(ids[pos:pos + n], buf[first:first + n], non_blocking)
+        return keep
 
-    def _scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
-        dev = ids.to(self.device)
+    def _scatter(self, ids: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> list:
+        dev = ids.to(self.device, non_blocking=non_blocking)
         n = ids.numel()
         r, nk = self.ratio, self.kernel_tokens
+        keep = [dev]
         for layer, sem in enumerate(self._sem):
-            block = src[:, :, :, layer].to(self.device).reshape(n, 2, r, nk, self.heads, self.head_dim)
+            block = src[:, :, :, layer].to(self.device, non_blocking=non_blocking).reshape(
+                n, 2, r, nk, self.heads, self.head_dim)
             sem.index_copy_(0, dev, block)
+            keep.append(block)
+        return keep
 
     def _check_host(self, host: HostPool, ids: torch.Tensor, pages: list[int]) -> None:
         want = (2, self.block_size, self.layers, self.heads, self.head_dim)
