@@ -550,6 +550,13 @@ def per_triple(a: list[dict], b: list[dict], key: str) -> list[float]:
     return ratios([x for x, _ in both], [y for _, y in both])
 
 
+def added(runs: list[dict], base: list[dict], key: str) -> list[float]:
+    """Triple by triple, what a connector's run adds to vLLM's own (``none``) figure ``key``."""
+    if len(runs) != len(base):
+        raise ValueError(f"{len(runs)} runs but {len(base)} baseline runs")
+    return [r[key] - b[key] for r, b in zip(runs, base)]
+
+
 def report(results: dict, triples: int) -> None:
     print()
     print(f"scheduler-thread CPU, us: median over {triples} triple(s) of each run's figure; ratios: median over "
@@ -562,6 +569,11 @@ def report(results: dict, triples: int) -> None:
             print(f"{f'{running}/{block}':>11} {label:<30} {fmt(summarize(n, key))} {fmt(summarize(o, key))} "
                   f"{fmt(summarize(u, key))}  {ratio_text(per_triple(u, o, key)):<20} "
                   f"{ratio_text(per_triple(o, n, key)):<20} {ratio_text(per_triple(u, n, key)):<20}")
+        for key in ("p50", "p99"):
+            ao, au = added(o, n, key), added(u, n, key)
+            rs = [x / y for x, y in zip(au, ao) if y > 0]
+            print(f"{f'{running}/{block}':>11} {f'added to the step {key} (- none)':<30} {'-':>9} "
+                  f"{fmt(statistics.median(ao))} {fmt(statistics.median(au))}  {ratio_text(rs):<20}")
         for key, label in CONNECTOR_ROWS:
             print(f"{f'{running}/{block}':>11} {label:<30} {'-':>9} {fmt(summarize(o, key))} "
                   f"{fmt(summarize(u, key))}  {ratio_text(per_triple(u, o, key)):<20}")

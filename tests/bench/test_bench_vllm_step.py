@@ -128,3 +128,11 @@ def test_quick_runs_end_to_end_inside_vllm(tmp_path):
     assert o["pages_stored"] > u["pages_stored"]   # prompt blocks too (offload_prompt_only=False) vs decode pages
     line = next(ln for ln in text.splitlines() if ln.strip().startswith("32/16") and "per step p50" in ln)
     assert line.count("x (") == 3   # ours/offload, offload/none, ours/none
+
+
+def test_what_a_connector_adds_is_taken_triple_by_triple():
+    from bench.bench_vllm_step import added
+
+    assert added([{"p50": 5.0}, {"p50": 9.0}], [{"p50": 4.0}, {"p50": 5.0}], "p50") == [1.0, 4.0]
+    with pytest.raises(ValueError):
+        added([{"p50": 5.0}], [], "p50")
