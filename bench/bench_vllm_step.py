@@ -529,6 +529,22 @@ def run_triple(triple: int, running: int, block: int, steps: int, warmup: int, g
     return {kind: measures[kind].result(runs[kind], load, ends[kind]) for kind in KINDS}
 
 
+def checkout() -> str:
+    """The commit of the checkout measured, and its changed files under lifecycle/ (what it measures)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "lifecycle", "transfer"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return f"{root} (not a git checkout)"
+    changed = [line[3:] for line in dirty if line.strip()]
+    return f"{root} at {head}" + (f", changed: {', '.join(changed)}" if changed else ", clean")
+
+
 def other_load() -> str:
     load = os.getloadavg()
     return f"load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
@@ -649,6 +665,7 @@ def main(argv=None) -> int:
     root = tempfile.mkdtemp(prefix="bench-vllm-step-")
     print(machine())
     print(f"vLLM {release}; {other_load()} at start")
+    print(f"checkout measured: {checkout()}")
     print(f"runs: none = no kv_transfer_config; offload = vLLM's OffloadingConnector {OFFLOAD_EXTRA} "
           f"(worker transfers: StandInTransfers); ours = {OURS_MODULE} (storage {args.storage}, worker in-process)")
     print(f"KV {LAYERS} layers x {HEADS} heads x {HEAD_DIM} bf16, output {output[0]}-{output[1]} tokens, "
