@@ -268,12 +268,15 @@ class VllmRig:
         block, off = slots // self.block_size, slots % self.block_size
         return (block * ratio + off // tokens) * tokens + off % tokens
 
-    def run(self, timeout_s: float = 120.0, on_step=None) -> None:
+    def run(self, timeout_s: float = 120.0, on_step=None, until=None) -> None:
         """Step until nothing is left (every request done, every delayed free released), at most
         ``timeout_s`` (a generous bound: copies run on threads; a step that scheduled nothing
-        yields a millisecond to them, as an idle engine would). ``on_step(rig)`` after each step."""
+        yields a millisecond to them, as an idle engine would). ``on_step(rig)`` after each step;
+        ``until(rig)``: stop as soon as it is true."""
         deadline = time.monotonic() + timeout_s
         while self.scheduler.has_requests() or not self.connector.store.idle():
+            if until is not None and until(self):
+                return
             if time.monotonic() > deadline:
                 raise AssertionError(f"the engine did not drain in {timeout_s}s: {len(self.scheduler.requests)} "
                                      f"requests left, store idle {self.connector.store.idle()}")

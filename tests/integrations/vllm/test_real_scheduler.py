@@ -217,3 +217,64 @@ def test_kv_events_name_the_stored_pages(tmp_path):
         assert rig.connector.take_events() == []
     finally:
         rig.close()
+
+
+class _Faulty:
+    """Copy engines whose copies of the first chunk hang until ``release`` (or raise): the rig's
+    workers get it as ``engine``."""
+
+    def __init__(self, mode: str) -> None:
+        import threading
+
+        self.mode, self.release, self.first = mode, threading.Event(), None
+
+    def __call__(self, store_worker):
+        from lifecycle.integrations.vllm.worker import LayoutCpuCopyEngine
+
+        fault = self
+
+        class Engine(LayoutCpuCopyEngine):
+            def submit(self, tag, fn):
+                if fault.first is None:
+                    fault.first = tag
+                if tag != fault.first:
+                    return super().submit(tag, fn)
+
+                def bad():
+                    if fault.mode == "raise":
+                        raise RuntimeError("copy failed")
+                    fault.release.wait(60)
+                    return fn()
+                return super().submit(tag, bad)
+
+        return Engine(2)
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_a_failed_or_stuck_copy_is_a_miss_never_the_engine(tmp_path, mode):
+    """The first copy raises, or hangs past ``write_timeout_s``: its page is never stored, every
+    later page is, the request finishes and vLLM gets every block back (a hung copy's blocks after
+    ``write_timeout_s``: the one free under a copy the promise allows, its pages discarded)."""
+    fault = _Faulty(mode)
+    rig = _rig(tmp_path, num_blocks=32, engine=fault, extra={"storage": "memory", "write_timeout_s": 0.3})
+    try:
+        rig.add("f", list(range(300, 320)), 60)
+        rig.run(until=lambda r: not r.scheduler.has_requests())
+        names = rig.page_names("f")
+        assert not rig.scheduler.requests                         # the request ended, its blocks freed
+        if mode == "hang":
+            assert rig.violations and all("freed under a copy" in v for v in rig.violations)
+            rig.violations.clear()
+            fault.release.set()                                    # the copy ends at last: discarded
+            rig.drain_storage()
+            assert rig.stored(names[1]) is None
+            assert rig.connector.store.stats().copies_expired == 1
+        rig.drain_storage()
+        rig.check_pool_clean()
+        assert rig.stored(names[1]) is None                       # the first decode page: a miss
+        assert all(rig.stored(n) == rig.expected_page("f", i) for i, n in enumerate(names[2:-1], 2))
+        stats = rig.connector.store.stats()
+        assert stats.leaked == 0 and stats.tracked == 0
+    finally:
+        fault.release.set()
+        rig.close()
