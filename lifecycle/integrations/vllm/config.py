@@ -16,6 +16,9 @@ Settings (all optional):
     the manager's namespace (64 hex characters; see ``DecodeOffloadManager``).
 ``write_timeout_s`` (default 30), ``fence_timeout_s`` (default 30)
     a copy not ended this long after submission is a miss; the most a preemption fence waits.
+``metrics`` (default false)
+    the ``kv_lifecycle_*`` metrics on vLLM's ``/metrics``, labelled ``role`` / ``tp_rank``
+    (``lifecycle.integrations.vllm.metrics``).
 
 Refused (``VllmConfigError``, one line; ``check_vllm``): an untested vLLM (``versions``); more than
 one KV cache group (hybrid models) or a group whose spec is not plain full attention (sliding
@@ -36,7 +39,7 @@ from lifecycle.integrations.vllm.errors import VllmConfigError
 DEFAULT_DIR = "/tmp/hicache"
 SGLANG_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 KNOWN = frozenset({"storage", "model_name", "host_ratio", "host_size_gb", "namespace_seed", "write_timeout_s",
-                   "fence_timeout_s", "require_checksum"})
+                   "fence_timeout_s", "require_checksum", "metrics"})
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class ConnectorConfig:
     write_timeout_s: float | None
     fence_timeout_s: float
     require_checksum: bool
+    metrics: bool
     block_size: int
     num_blocks: int
     tp_size: int
@@ -100,9 +104,10 @@ def read(vllm_config, kv_cache_config, environ=None) -> ConnectorConfig:
     seed = extra.get("namespace_seed")
     if seed is not None and not isinstance(seed, str):
         raise VllmConfigError(f"kv_connector_extra_config['namespace_seed'] must be a str, got {seed!r}")
-    checksum = extra.get("require_checksum", False)
-    if not isinstance(checksum, bool):
-        raise VllmConfigError(f"kv_connector_extra_config['require_checksum'] must be a bool, got {checksum!r}")
+    checksum, metrics = extra.get("require_checksum", False), extra.get("metrics", False)
+    for key, value in (("require_checksum", checksum), ("metrics", metrics)):
+        if not isinstance(value, bool):
+            raise VllmConfigError(f"kv_connector_extra_config[{key!r}] must be a bool, got {value!r}")
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     sched = vllm_config.scheduler_config
     return ConnectorConfig(
@@ -112,7 +117,7 @@ def read(vllm_config, kv_cache_config, environ=None) -> ConnectorConfig:
         namespace_seed=seed,
         write_timeout_s=_number(extra, "write_timeout_s", 30.0, allow_none=True),
         fence_timeout_s=_number(extra, "fence_timeout_s", 30.0),
-        require_checksum=checksum,
+        require_checksum=checksum, metrics=metrics,
         block_size=int(spec.block_size), num_blocks=int(kv_cache_config.num_blocks),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         max_num_seqs=int(sched.max_num_seqs), max_model_len=int(vllm_config.model_config.max_model_len))

@@ -118,6 +118,7 @@ class LifecycleConnector(KVConnectorBase_V1):
         self.tp_rank = 0
         self._load_planner = None
         self._load_worker = None
+        self.metrics = None
         if role == KVConnectorRole.SCHEDULER:
             world = int(getattr(vllm_config.parallel_config, "world_size", cfg.tp_size) or cfg.tp_size)
             self.store = StoreScheduler(
@@ -129,6 +130,10 @@ class LifecycleConnector(KVConnectorBase_V1):
                 log.warning("vllm.load_failure_policy_fail",
                             why="a prefix page that fails to load fails the request; set "
                                 "kv_load_failure_policy='recompute' to recompute it instead")
+            if cfg.metrics:
+                from lifecycle.integrations.vllm.metrics import scheduler_metrics
+
+                self.metrics = scheduler_metrics(self.store)
             log.info("vllm.connector_scheduler", block_size=cfg.block_size, blocks=cfg.num_blocks,
                      host_pages=cfg.host_pages(0), world=world, storage=cfg.storage)
 
@@ -189,6 +194,8 @@ class LifecycleConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         jobs = self.store.plan(scheduler_output)
+        if self.metrics is not None:
+            self.metrics.tick()
         load_jobs = self._load_planner.take_load_jobs() if self._load_planner is not None else []
         return LifecycleConnectorMetadata(jobs, load_jobs)
 
@@ -234,6 +241,10 @@ class LifecycleConnector(KVConnectorBase_V1):
         self.worker = StoreWorker(self.layout, host, storage, write_timeout_s=cfg.write_timeout_s,
                                   fence_timeout_s=cfg.fence_timeout_s, events=self.tp_rank == 0)
         self._load_worker = self._make_load_worker(storage)
+        if cfg.metrics:
+            from lifecycle.integrations.vllm.metrics import worker_metrics
+
+            self.metrics = worker_metrics(self.worker, self.tp_rank)
         log.info("vllm.connector_worker", tp_rank=self.tp_rank, host_pages=host.num_pages,
                  storage=cfg.storage, **self.layout.describe())
 
@@ -272,6 +283,8 @@ class LifecycleConnector(KVConnectorBase_V1):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report = self.worker.report() if self.worker is not None else None
+        if self.metrics is not None:
+            self.metrics.tick()
         load = None
         if self._load_worker is not None and hasattr(self._load_worker, "report"):
             load = self._load_worker.report()
@@ -280,6 +293,8 @@ class LifecycleConnector(KVConnectorBase_V1):
         return LifecycleWorkerMetadata(report, load)
 
     def shutdown(self) -> None:
+        if self.metrics is not None:
+            self.metrics.tick(force=True)
         if self._load_worker is not None:
             self._load_worker.close(5.0)
         if self.worker is not None:

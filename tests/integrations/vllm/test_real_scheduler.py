@@ -278,3 +278,29 @@ def test_a_failed_or_stuck_copy_is_a_miss_never_the_engine(tmp_path, mode):
     finally:
         fault.release.set()
         rig.close()
+
+
+def test_metrics_per_rank_on_the_default_registry(tmp_path):
+    """``metrics: true``: the scheduler's lifecycle numbers (``role="scheduler"``) and each rank's
+    stored pages (``role="worker"``, ``tp_rank``) on prometheus_client's default registry."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    rig = _rig(tmp_path, tp=2, num_blocks=32, extra={"storage": "memory", "metrics": True})
+    reg = prometheus_client.REGISTRY
+
+    def value(name, **labels):
+        return reg.get_sample_value(name, labels) or 0.0
+    before = {r: value("kv_lifecycle_storage_pages_total", role="worker", tp_rank=r, tier="memory", result="new")
+              for r in ("0", "1")}
+    before_off = value("kv_lifecycle_pages_offloaded_total", role="scheduler", tp_rank="-")
+    try:
+        rig.add("m", list(range(400, 420)), 50)
+        rig.run()
+        rig.drain_storage()
+    finally:
+        rig.close()                                       # publishes the last numbers
+    pages = rig.connector.store.stats().pages_enqueued
+    assert pages > 0
+    assert value("kv_lifecycle_pages_offloaded_total", role="scheduler", tp_rank="-") - before_off == pages
+    for r in ("0", "1"):
+        got = value("kv_lifecycle_storage_pages_total", role="worker", tp_rank=r, tier="memory", result="new")
+        assert got - before[r] == pages
