@@ -526,7 +526,23 @@ def run_triple(triple: int, running: int, block: int, steps: int, warmup: int, g
         time.sleep(gap_s)
     ends = {kind: runs[kind].close() for kind in KINDS}
     load = max(load_start, os.getloadavg()[0])
-    return {kind: measures[kind].result(runs[kind], load, ends[kind]) for kind in KINDS}
+    out = {kind: measures[kind].result(runs[kind], load, ends[kind]) for kind in KINDS}
+    check_same_work(out)
+    return out
+
+
+def check_same_work(triple: dict[str, dict]) -> None:
+    """Raises RuntimeError unless ``none`` and ``offload`` finished the same requests and sampled the
+    same tokens (the same workload, step for step: OffloadingConnector answers lookups at once) and
+    each connector stored exactly the pages its rule says (``written_pages``)."""
+    n, o = triple[NONE], triple[OFFLOAD]
+    if (n["finished"], n["sampled"]) != (o["finished"], o["sampled"]):
+        raise RuntimeError(f"none and offload did different work: {n['finished']} / {o['finished']} finished, "
+                           f"{n['sampled']} / {o['sampled']} tokens")
+    for kind in (OFFLOAD, OURS):
+        r = triple[kind]
+        if r["pages_stored"] != r["expected_pages"]:
+            raise RuntimeError(f"{kind} stored {r['pages_stored']} pages, its rule says {r['expected_pages']}")
 
 
 def checkout() -> str:

@@ -5,7 +5,6 @@ instead under ``KV_LIFECYCLE_REQUIRE_VLLM=1``, as tests/integrations/vllm). No t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -20,8 +19,6 @@ from bench.bench_vllm_step import (  # noqa: E402
     KINDS, NONE, OFFLOAD, OURS, parse_configs, percentile, ratio_text, ratios, schedule, step_order, summarize,
     written_pages,
 )
-
-REQUIRE_ENV = "KV_LIFECYCLE_REQUIRE_VLLM"
 
 
 def test_percentile_is_nearest_rank():
@@ -95,18 +92,10 @@ def test_pages_each_rule_stores():
             written_pages(*bad)
 
 
-def _require_vllm() -> None:
-    try:
-        import vllm  # noqa: F401
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector  # noqa: F401
-    except ImportError as err:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but vLLM does not import: {err}")
-        pytest.skip(f"vLLM is not installed ({err}); .ci/vllm-env runs this test")
-
-
 def test_quick_runs_end_to_end_inside_vllm(tmp_path):
-    _require_vllm()
+    from tests.integrations.vllm.vllm_kit import require_vllm
+
+    require_vllm()  # skips without vLLM, fails under KV_LIFECYCLE_REQUIRE_VLLM=1 (.ci/vllm-env sets it)
     out_json = tmp_path / "runs.json"
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_vllm_step.py"), "--quick",
                           "--json", str(out_json)], cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -136,3 +125,22 @@ def test_what_a_connector_adds_is_taken_triple_by_triple():
     assert added([{"p50": 5.0}, {"p50": 9.0}], [{"p50": 4.0}, {"p50": 5.0}], "p50") == [1.0, 4.0]
     with pytest.raises(ValueError):
         added([{"p50": 5.0}], [], "p50")
+
+
+def test_a_triple_that_did_different_work_is_refused():
+    from bench.bench_vllm_step import check_same_work
+
+    def triple(**changes):
+        runs = {NONE: {"finished": 5, "sampled": 50, "pages_stored": None, "expected_pages": float("nan")},
+                OFFLOAD: {"finished": 5, "sampled": 50, "pages_stored": 30, "expected_pages": 30},
+                OURS: {"finished": 4, "sampled": 49, "pages_stored": 20, "expected_pages": 20}}
+        for key, value in changes.items():
+            kind, field = key.split("__")
+            runs[kind][field] = value
+        return runs
+
+    check_same_work(triple())   # ours may lag a step (its lookups are asynchronous)
+    for bad in ({"offload__sampled": 49}, {"offload__finished": 4}, {"offload__pages_stored": 29},
+                {"ours__pages_stored": 21}):
+        with pytest.raises(RuntimeError):
+            check_same_work(triple(**bad))
