@@ -304,3 +304,21 @@ def test_metrics_per_rank_on_the_default_registry(tmp_path):
     for r in ("0", "1"):
         got = value("kv_lifecycle_storage_pages_total", role="worker", tp_rank=r, tier="memory", result="new")
         assert got - before[r] == pages
+
+
+def test_a_cache_salt_seeds_the_chain_as_sglang_0_5_23_does(tmp_path):
+    import hashing
+
+    rig = _rig(tmp_path, num_blocks=32)
+    try:
+        rig.add("salted", list(range(600, 620)), 30, cache_salt="tenant-a")
+        rig.add("plain", list(range(600, 620)), 30)
+        rig.run()
+        rig.drain_storage()
+        salted, plain = (list(rig.requests[r].all_token_ids) for r in ("salted", "plain"))
+        seed = hashing.namespace_seed(None, "tenant-a")
+        want = hashing.page_hashes(salted[:48], BS, seed)[1:3]
+        assert all(rig.stored(n) is not None for n in want)
+        assert set(want).isdisjoint(hashing.page_hashes(plain[:48], BS))   # the same tokens, other names
+    finally:
+        rig.close()
