@@ -3,7 +3,8 @@ with random weights (``load_format="dummy"``, ``skip_tokenizer_init=True``, noth
 connector loaded by ``kv_connector_module_path`` in vLLM's own engine core, scheduler, CPU worker,
 model runner (``KVConnectorModelRunnerMixin``) and CPU attention backend.
 
-Checked: generation completes; the pages stored are exactly the decode pages the forwards wrote,
+Run with and without async scheduling (vLLM's ``AsyncScheduler``: ``num_computed_tokens`` runs a
+step ahead of the KV written). Checked: generation completes; the pages stored are exactly the decode pages the forwards wrote,
 under the chain names of the generated tokens, in SGLang's HiCacheFile names; each page's bytes are
 what vLLM's KV blocks held when the copy was submitted (read through ``VllmKVLayout``, the worker's
 own view of vLLM's tensors).
@@ -20,8 +21,8 @@ from tests.integrations.vllm.vllm_kit import require_vllm
 BS = 32
 
 
-@pytest.fixture
-def llm(tmp_path, monkeypatch):
+@pytest.fixture(params=[False, True], ids=["sync", "async-scheduling"])
+def llm(tmp_path, monkeypatch, request):
     require_vllm()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")   # the engine core in this process
@@ -32,6 +33,7 @@ def llm(tmp_path, monkeypatch):
     store = tmp_path / "hicache"
     engine = LLM(model=tiny_llama(tmp_path), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
                  block_size=BS, max_model_len=512, max_num_seqs=4, gpu_memory_utilization=0.05,
+                 async_scheduling=request.param,
                  kv_cache_memory_bytes=32 << 20, disable_hybrid_kv_cache_manager=True, dtype="float32", seed=0,
                  kv_transfer_config={"kv_connector": "LifecycleConnector", "kv_role": "kv_both",
                                      "kv_connector_module_path": "lifecycle.integrations.vllm.connector",
@@ -78,6 +80,7 @@ def test_a_whole_engine_stores_the_decode_pages_its_forwards_wrote(llm):
     finally:
         StoreWorker.run = run
     sched = engine.llm_engine.engine_core.engine_core.scheduler
+    assert (type(sched).__name__ == "AsyncScheduler") == engine.llm_engine.vllm_config.scheduler_config.async_scheduling
     for _ in range(200):                   # the last copies' stores: settled on later steps
         if sched.connector.store.idle() and worker.worker.idle():
             break
