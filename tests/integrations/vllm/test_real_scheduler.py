@@ -322,3 +322,26 @@ def test_a_cache_salt_seeds_the_chain_as_sglang_0_5_23_does(tmp_path):
         assert set(want).isdisjoint(hashing.page_hashes(plain[:48], BS))   # the same tokens, other names
     finally:
         rig.close()
+
+
+def test_pages_the_tier_evicts_are_announced_removed(tmp_path):
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    page = 2 * BS * 2 * 2 * 32 * 4                          # the rig's page: [2, bs, 2 layers, 2 heads, 32] fp32
+    rig = _rig(tmp_path, num_blocks=32, extra={"storage": f"memory?capacity_bytes={2 * page}"})
+    taken = []
+    take = rig.connector.take_events
+    rig.connector.take_events = lambda: (out := list(take()), taken.extend(out))[0]
+    try:
+        rig.add("ev", list(range(700, 720)), 80)
+        rig.run()
+        rig.drain_storage()
+        stored = [h for e in taken if isinstance(e, BlockStored) for h in e.block_hashes]
+        removed = [h for e in taken if isinstance(e, BlockRemoved) for h in e.block_hashes]
+        names = [bytes.fromhex(n) for n in rig.page_names("ev")]
+        assert stored == names[1:6]                          # five decode pages written
+        assert len(removed) == 3 and set(removed) <= set(stored)   # the tier keeps two: three evicted
+        assert {e.medium for e in taken if isinstance(e, BlockRemoved)} == {"CPU"}
+        assert len(rig.stored_names()) == 2
+    finally:
+        rig.close()
