@@ -223,6 +223,12 @@ class LifecycleConnector(KVConnectorBase_V1):
             return []
         return self.events.take(self.store)
 
+    def has_pending_push_work(self) -> bool:
+        """True while copies, storage writes or delayed frees are unsettled: vLLM keeps stepping (and
+        calling ``build_connector_meta`` / ``update_connector_output``) until they are, so host pages
+        come back and the last pages' events are published even when no request is left."""
+        return self.store is not None and not self.store.idle()
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False   # a cache: a dropped store is a miss

@@ -81,10 +81,14 @@ def test_a_whole_engine_stores_the_decode_pages_its_forwards_wrote(llm):
         StoreWorker.run = run
     sched = engine.llm_engine.engine_core.engine_core.scheduler
     assert (type(sched).__name__ == "AsyncScheduler") == engine.llm_engine.vllm_config.scheduler_config.async_scheduling
-    for _ in range(200):                   # the last copies' stores: settled on later steps
-        if sched.connector.store.idle() and worker.worker.idle():
-            break
+    import time
+
+    deadline = time.monotonic() + 60       # the last copies' stores settle on later steps: the
+    while sched.has_requests():            # connector keeps vLLM stepping (has_pending_push_work)
+        assert time.monotonic() < deadline
         engine.llm_engine.engine_core.engine_core.step()
+        time.sleep(0.001)
+    assert sched.connector.store.idle() and worker.worker.idle()
     expected = {}
     for prompt, out, n in zip(prompts, outs, lengths):
         tokens = prompt + list(out.outputs[0].token_ids)
