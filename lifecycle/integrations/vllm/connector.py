@@ -224,10 +224,11 @@ class LifecycleConnector(KVConnectorBase_V1):
         return self.events.take(self.store)
 
     def has_pending_push_work(self) -> bool:
-        """True while copies, storage writes or delayed frees are unsettled: vLLM keeps stepping (and
-        calling ``build_connector_meta`` / ``update_connector_output``) until they are, so host pages
-        come back and the last pages' events are published even when no request is left."""
-        return self.store is not None and not self.store.idle()
+        """True while copies (not expired), storage writes or delayed frees are unsettled: vLLM keeps
+        stepping (calling ``build_connector_meta`` / ``update_connector_output``) until they are, so
+        host pages come back and the last pages' events are published even when no request is left;
+        never longer than ``write_timeout_s`` (else 30 s) without a completion coming back."""
+        return self.store is not None and self.store.pending_work(self.cfg.write_timeout_s or 30.0)
 
     @property
     def requires_kv_delivery(self) -> bool:

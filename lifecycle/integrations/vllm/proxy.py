@@ -175,6 +175,10 @@ class ProxyOffloader:
     def idle(self) -> bool:
         return not self._writes and not self._ops_open
 
+    def live_work(self) -> bool:
+        """Work whose completion can still be waited for: copies not expired, storage ops open."""
+        return bool(self._ops_open) or any(a not in self._expired_told for a in self._writes)
+
     def _host_pages(self, host_indices) -> list[int]:
         slots = as_index_tensor(host_indices, "host indices")
         return pages_of_slots(slots.numpy(), self.page_size, "host indices", self.num_pages * self.page_size).tolist()

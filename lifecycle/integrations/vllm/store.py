@@ -26,6 +26,7 @@ so a shared block never makes a release plan refuse.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -179,10 +180,11 @@ class StoreScheduler:
         max_rows: lifecycles tracked at once (running, delayed and preempted-with-copies).
         max_len: the longest request (``max_model_len``).
         namespace_seed: the manager's seed (None: requests' own ``cache_salt``, SGLang 0.5.23's names).
+        clock: monotonic seconds (``pending_work``'s stall bound).
     """
 
     def __init__(self, block_size: int, num_blocks: int, host_pages: int, *, world: int = 1, max_rows: int = 1024,
-                 max_len: int = 8192, namespace_seed: str | None = None) -> None:
+                 max_len: int = 8192, namespace_seed: str | None = None, clock=time.monotonic) -> None:
         self.block_size = block_size
         width = -(-max_len // block_size) * block_size
         self.rows = VllmRows(max_rows, width, block_size, num_blocks * block_size)
@@ -196,6 +198,8 @@ class StoreScheduler:
         self.delayed: dict[str, VllmRequest] = {}  # request_finished returned True: waiting for finished_sending
         self._fence: dict[str, list[int]] = {}
         self._delay: dict[str, list[int]] = {}
+        self._clock = clock
+        self.last_progress = clock()   # when the workers last reported a completion
         self.skipped = 0      # requests never stored (prompt embeds, multimodal, LoRA, no row)
         self.refused = 0      # chunks the manager refused (a miss, logged)
 
@@ -273,6 +277,8 @@ class StoreScheduler:
     def completed(self, report: Report | None, finished_sending: set[str] | None) -> None:
         """``update_connector_output``: the workers' completions, then the manager settles them;
         requests in ``finished_sending`` are vLLM's to free now."""
+        if report is not None or finished_sending:
+            self.last_progress = self._clock()
         if report is not None:
             self.proxy.absorb(report)
         self.progress()
@@ -332,6 +338,14 @@ class StoreScheduler:
             self.retired.append(req)
 
     # --- inspection ---------------------------------------------------------------------------------
+    def pending_work(self, stall_s: float) -> bool:
+        """Whether vLLM should keep stepping for us: copies not expired, storage ops or delayed frees
+        unsettled, and some completion came back in the last ``stall_s`` seconds (a tier hung for
+        longer does not keep an idle engine spinning: the next request's steps settle it)."""
+        if not (self.delayed or self.proxy.live_work()):
+            return False
+        return self._clock() - self.last_progress < stall_s
+
     def idle(self) -> bool:
         return self.proxy.idle() and not self.delayed and not self.retired
 

@@ -49,3 +49,19 @@ def test_a_row_lists_vllm_slots_past_the_prompts_whole_pages_and_private_ids_bef
     assert row[8:12].tolist() == [36, 37, 38, 39]       # block 9: the page holding the prompt's end
     assert all(int(x) >= 32 * PS for x in row[:8])      # the prefill side's pages: never vLLM's slots
     assert req.kv.kv_allocated_len == 12
+
+
+def test_pending_work_keeps_vllm_stepping_only_while_something_can_still_complete():
+    from lifecycle.integrations.vllm.jobs import Report
+
+    now = [100.0]
+    s = StoreScheduler(PS, 32, 16, max_len=64, clock=lambda: now[0])
+    assert not s.pending_work(30.0)
+    host = s.proxy.write((__import__("torch").arange(PS) + 4 * PS), ack_id=1)
+    assert host is not None and s.pending_work(30.0)
+    s.completed(Report(expired={1: 1}), None)               # expired: nothing to wait for any more
+    assert not s.pending_work(30.0)
+    s.proxy.write((__import__("torch").arange(PS) + 5 * PS), ack_id=2)
+    assert s.pending_work(30.0)
+    now[0] += 31
+    assert not s.pending_work(30.0)                         # no completion for 30 s: stop spinning
