@@ -1,0 +1,83 @@
+"""The ``kv_lifecycle_*`` metrics (``lifecycle.metrics``) of the vLLM connector, labelled per rank.
+
+With ``kv_connector_extra_config={"metrics": true}`` each process registers one ``Metrics`` on
+``prometheus_client``'s default registry (the one vLLM serves on ``/metrics``; under
+``PROMETHEUS_MULTIPROC_DIR`` every process writes to that directory), with constant labels
+``role`` and ``tp_rank``: the scheduler side (``role="scheduler"``, ``tp_rank="-"``) publishes the
+lifecycle's numbers (requests, transitions, refusals, pages offloaded, copies failed or expired,
+states); each worker (``role="worker"``, ``tp_rank`` its rank) its host pool, copy and storage
+numbers (pages stored per tier, storage failures, host free pages, copy and storage latencies).
+Refreshed at most every ``UPDATE_S`` from the connector's per-step calls, and at shutdown.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+UPDATE_S = 1.0
+_lock = threading.Lock()
+_process_metrics = None
+
+
+def process_metrics():
+    """The process's ``Metrics`` on the default registry (made on first use).
+
+    Raises:
+        ImportError: ``prometheus_client`` is missing (``pip install 'kv-lifecycle[metrics]'``).
+    """
+    global _process_metrics
+    with _lock:
+        if _process_metrics is None:
+            import prometheus_client
+
+            from lifecycle.metrics import Metrics
+
+            _process_metrics = Metrics(prometheus_client.REGISTRY, labels={"role": "", "tp_rank": ""})
+        return _process_metrics
+
+
+class ConnectorMetrics:
+    """One connector's metrics: ``take`` returns its ``NodeStats`` now; ``tick`` publishes them at
+    most every ``UPDATE_S`` (``force``: now)."""
+
+    def __init__(self, role: str, tp_rank: str, take, offloader=None, tier: str | None = None) -> None:
+        self.metrics = process_metrics()
+        self.labels = {"role": role, "tp_rank": tp_rank}
+        self._take = take
+        self._next = float("-inf")
+        if offloader is not None:
+            offloader.observer = self.metrics.observer(tier or "none", self.labels)
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now >= self._next:
+            self._next = now + UPDATE_S
+            self.metrics.update(self._take(), source=self, labels=self.labels)
+
+
+def scheduler_metrics(store) -> ConnectorMetrics:
+    """The scheduler side's: the manager's stats (no offloader or tier here: the workers have them)."""
+    from lifecycle.node_stats import NodeStats
+
+    mgr = store.manager
+    return ConnectorMetrics("scheduler", "-", lambda: NodeStats(mgr.stats(), refusals=mgr.refusals()))
+
+
+def worker_metrics(worker, tp_rank: int) -> ConnectorMetrics:
+    """A worker's: its ``HostOffloader`` and storage tier."""
+    from lifecycle.node_stats import NodeStats, TierStats, tier_name
+    from lifecycle.records import Stats
+
+    off, store = worker.offloader, worker.storage
+    empty = Stats(tracked=0, inflight_writes=0, inflight_storage=0, released=0, leaked=0, by_state={},
+                  chunks_enqueued=0, pages_enqueued=0, chunks_landed=0, storage_finished=0, host_short=0)
+
+    def take() -> NodeStats:
+        b = getattr(store, "breaker", None)
+        tiers = [TierStats(tier_name(store), store.stats(), None if b is None else b.stats())]
+        return NodeStats(empty, off.stats(), tiers, None, worker.host.page_nbytes)
+    return ConnectorMetrics("worker", str(tp_rank), take, off, tier_name(store))
+
+
+__all__ = ["ConnectorMetrics", "process_metrics", "scheduler_metrics", "worker_metrics"]
