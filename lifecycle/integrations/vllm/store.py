@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from lifecycle.errors import LifecycleError
@@ -73,14 +74,15 @@ class _KV:
 class VllmRequest:
     """One lifecycle of a vLLM request, SGLang-shaped for the manager (module docstring)."""
 
-    __slots__ = ("rid", "request", "origin_input_ids", "output_ids", "kv", "cache_salt", "extra_key",
+    __slots__ = ("rid", "request", "origin_input_ids", "n_in", "output_ids", "kv", "cache_salt", "extra_key",
                  "_finished", "preempted", "blocks", "__weakref__")
 
     def __init__(self, request, row: int) -> None:
         self.rid = request.request_id
         self.request = request
         self.origin_input_ids = list(request.prompt_token_ids)
-        self.output_ids = _Outputs(request.all_token_ids, len(self.origin_input_ids), 0)
+        self.n_in = len(self.origin_input_ids)
+        self.output_ids = _Outputs(request.all_token_ids, self.n_in, 0)
         self.kv = _KV(row)
         self.cache_salt = getattr(request, "cache_salt", None)
         self.extra_key = None
@@ -103,6 +105,8 @@ class VllmRows:
 
     def __init__(self, rows: int, width: int, page_size: int, device_slots: int) -> None:
         self.req_to_token = torch.full((rows, width), -1, dtype=torch.int64)
+        self._rows = self.req_to_token.numpy()  # the same memory: rows written through NumPy
+        self._ramp = np.arange(page_size, dtype=np.int64)
         self.page_size, self.width, self.device_slots = page_size, width, device_slots
         self._free = list(range(rows))
         self.freed = 0
@@ -113,22 +117,23 @@ class VllmRows:
     def available_size(self) -> int:
         return len(self._free)
 
-    def fill(self, req: VllmRequest, blocks: list[int]) -> None:
-        """List ``blocks`` (the request's, in order) on its row."""
+    def fill(self, req: VllmRequest, blocks) -> None:
+        """List ``blocks`` (the request's block ids, in order; any sequence) on its row."""
         row, ps = req.kv.req_pool_idx, self.page_size
         n = min(len(blocks) * ps, self.width)
         new = len(req.blocks)
-        if blocks[:new] != req.blocks:   # never happens while running (blocks only grow): rebuild
+        if new and list(blocks[:new]) != req.blocks:   # never happens while running (blocks only grow): rebuild
             new = 0
+        rows = self._rows
         if new * ps < n:
-            ids = torch.as_tensor(blocks[new:], dtype=torch.int64)
-            slots = (ids.view(-1, 1) * ps + torch.arange(ps)).reshape(-1)[: n - new * ps]
-            self.req_to_token[row, new * ps:n] = slots
-        aligned = len(req.origin_input_ids) // ps * ps
+            ids = np.asarray(blocks[new:], dtype=np.int64)
+            rows[row, new * ps:n] = (ids[:, None] * ps + self._ramp).reshape(-1)[: n - new * ps]
+        aligned = req.n_in // ps * ps
         if new * ps < aligned:   # the prefill side's pages: private ids (never copied, never freed)
             lo = new * ps
             hi = min(aligned, self.width)
-            self.req_to_token[row, lo:hi] = self.device_slots + row * self.width + torch.arange(lo, hi)
+            rows[row, lo:hi] = np.arange(self.device_slots + row * self.width + lo,
+                                         self.device_slots + row * self.width + hi, dtype=np.int64)
         req.blocks = list(blocks)
         req.kv.kv_allocated_len = n
 
@@ -229,14 +234,21 @@ class StoreScheduler:
         for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self._preempted(rid)
         state = getattr(scheduler_output, "kv_connector_block_state", None)
+        live, ps = self.live, self.block_size
         for rid in scheduler_output.num_scheduled_tokens:
-            req = self.live.get(rid)
+            req = live.get(rid)
             if req is None:
                 continue
-            blocks = state.get_block_ids(rid) if state is not None else None
-            if blocks:
-                self.rows.fill(req, list(blocks[0]))
-            self._offload(req)
+            n = req.written()
+            if n < req.n_in:
+                continue  # the prompt is the prefill side's: nothing to plan yet
+            # vLLM appends blocks to a running request's table and never replaces them: the row is read
+            # again only when the written KV runs past the blocks it lists
+            if n > len(req.blocks) * ps and state is not None:
+                blocks = state.get_block_ids(rid)
+                if blocks:
+                    self.rows.fill(req, blocks[0])
+            self._offload(req, n)
         jobs = StepJobs(self.proxy.take_jobs(), self._fence, self._delay)
         self._fence, self._delay = {}, {}
         return jobs
@@ -247,8 +259,8 @@ class StoreScheduler:
         if req is None or req.request is not request:
             return False
         if block_ids:
-            self.rows.fill(req, list(block_ids))
-        self._offload(req)
+            self.rows.fill(req, block_ids)
+        self._offload(req, req.written())
         req._finished = True
         try:
             self.manager.finalize_release_on_finish(req)
@@ -300,13 +312,13 @@ class StoreScheduler:
             log.error("vllm.progress_refused", error=str(err))
 
     # --- the store path -----------------------------------------------------------------------------
-    def _offload(self, req: VllmRequest) -> None:
-        n = req.written()
-        n_in = len(req.origin_input_ids)
-        if n < n_in:
+    def _offload(self, req: VllmRequest, n: int) -> None:
+        """Offer the manager ``req``'s pages up to ``n`` written tokens (``req.written()``)."""
+        if n < req.n_in:
             return
         req.kv.kv_committed_len = n
-        req.output_ids = _Outputs(req.request.all_token_ids, n_in, n + 1)
+        out = req.output_ids  # the view moved on in place: no object per request per step
+        out._all, out._end = req.request.all_token_ids, n + 1
         self.proxy.req_id = req.rid
         try:
             self.manager.offload_kv_cache(req)
