@@ -38,6 +38,12 @@ only a GPU shows of a first deployment), each its own line (``SGLANG_ITEMS``):
     ``release_host_resources(timeout_s=0.01)``: no raise, the host pool still pinned, and no
     ``cudaHostUnregister`` of it at interpreter exit (in a process of its own).
 
+13. ``vllm engine``: a whole vLLM 0.32.0 ``LLM(load_format="dummy", skip_tokenizer_init=True)`` engine on
+    the GPU with the connector loaded by module path (``tests/integrations/vllm/test_llm.py``, with and
+    without async scheduling): the pages stored are exactly the decode pages its forwards wrote, each
+    page's bytes what vLLM's KV blocks held. ``SKIP`` (not counted as passed) when vLLM does not import
+    (on a GPU machine: ``pip install vllm==0.32.0``, the project's ``vllm`` extra).
+
 ``--list`` prints the items and exits 0 (no GPU needed). Exit codes: 0 every item passed; 1 an
 item failed; 3 no CUDA device here (nothing was checked).
 """
@@ -288,7 +294,8 @@ SGLANG_ITEMS = {
                       "no unregister at exit",
 }
 #: every item's name, in the order the lines come
-ITEMS = ("cuda tests", "sync-debug suite", "round trip", "layered copy", "simulate", "d2h throughput", *SGLANG_ITEMS)
+ITEMS = ("cuda tests", "sync-debug suite", "round trip", "layered copy", "simulate", "d2h throughput", *SGLANG_ITEMS,
+         "vllm engine")
 MODEL, HEADS, DIM, PS = "org/Model-70B", 8, 128, 16
 
 
@@ -567,6 +574,32 @@ def sglang_checks(store_root: str) -> list[bool]:
     return results
 
 
+def vllm_engine(timeout: int) -> bool | None:
+    """Item 13: the connector inside a whole vLLM engine on the GPU; None (SKIP) without vLLM."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - any import failure: not installed here
+        line("vllm engine", "SKIP", f"vLLM does not import ({type(err).__name__}): pip install vllm==0.32.0 to check it")
+        return None
+    env_before = os.environ.get("KV_LIFECYCLE_REQUIRE_VLLM")
+    os.environ["KV_LIFECYCLE_REQUIRE_VLLM"] = "1"   # a skip inside is a failure here
+    try:
+        rc, out = _pytest(["tests/integrations/vllm/test_llm.py"], timeout)
+    finally:
+        if env_before is None:
+            os.environ.pop("KV_LIFECYCLE_REQUIRE_VLLM", None)
+        else:
+            os.environ["KV_LIFECYCLE_REQUIRE_VLLM"] = env_before
+    c = _counts(out)
+    ok = rc == 0 and c.get("passed", 0) > 0 and not c.get("skipped") and not c.get("failed")
+    line("vllm engine", "PASS" if ok else "FAIL",
+         f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped "
+         f"(LLM(load_format='dummy') with the connector, sync and async scheduling)")
+    if not ok:
+        print(out[-4000:], file=sys.stderr)
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer simulate requests and throughput repeats")
@@ -603,6 +636,9 @@ def main() -> int:
     ]
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as store_root:
         results += sglang_checks(store_root)
+    engine = vllm_engine(timeout=150)
+    if engine is not None:   # SKIP (no vLLM here) is neither passed nor failed
+        results.append(engine)
     failed = results.count(False)
     line("overall", "PASS" if not failed else "FAIL",
          f"{len(results) - failed}/{len(results)} items passed in {time.monotonic() - t0:.0f}s")

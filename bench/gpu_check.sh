@@ -4,7 +4,8 @@
 # --device cuda --verify all`, the D2H throughput against a pinned copy_, and SGLang's decode
 # offload over a 64-layer MHA stack (offload with 200 ms queued, a chunk's launches, retract and
 # resume under the staging cap, a repeated page refused, our own copy stream, a held copy at
-# shutdown and exit), one line per item, within 8 minutes. Without a GPU it says so and exits 3.
+# shutdown and exit) and, where vLLM 0.32.0 imports, a whole vLLM engine with the connector, one line
+# per item, within 8 minutes. Without a GPU it says so and exits 3.
 #
 #   bash bench/gpu_check.sh            # uses .venv/bin/python, else $PYTHON, else python3
 #   bash bench/gpu_check.sh --quick    # fewer simulate requests and throughput repeats

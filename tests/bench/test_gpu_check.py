@@ -70,3 +70,39 @@ def test_the_held_copy_item_fails_on_a_raise_an_unpin_or_an_unregister_at_exit()
     assert not held_copy_verdict(0, "raised RuntimeError('x')\npinned True abandoned 1\n")
     assert not held_copy_verdict(0, "unregister during-run\nraised no\npinned False abandoned 1\n")
     assert not held_copy_verdict(1, "raised no\npinned True abandoned 1\n")
+
+
+def test_the_vllm_item_says_skip_without_vllm_and_is_neither_passed_nor_failed(monkeypatch, capsys):
+    """Issue 37's GPU item: without vLLM it prints SKIP and returns None (``main`` leaves it out of the
+    count, so a skip never counts as a pass); the engine run itself needs vLLM and, here, a GPU."""
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_check
+
+    monkeypatch.setitem(sys.modules, "vllm", None)   # `import vllm` raises ImportError
+    ran = []
+    monkeypatch.setattr(gpu_check, "_pytest", lambda *a, **k: ran.append(a) or (0, "1 passed"))
+    assert gpu_check.vllm_engine(timeout=1) is None
+    assert ran == []
+    out = capsys.readouterr().out
+    assert out.startswith("gpu_check | vllm engine") and "| SKIP |" in out and "vllm==0.32.0" in out
+
+
+def test_the_vllm_item_fails_on_a_skipped_or_failed_engine_run(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT))
+    from bench import gpu_check
+
+    monkeypatch.setitem(sys.modules, "vllm", sys.modules.get("json"))   # importable: the run is asked for
+    seen = {}
+
+    def fake(args, timeout):
+        seen["args"], seen["require"] = args, os.environ.get("KV_LIFECYCLE_REQUIRE_VLLM")
+        return fake.result
+
+    monkeypatch.setattr(gpu_check, "_pytest", fake)
+    fake.result = (0, "2 passed in 9s")
+    assert gpu_check.vllm_engine(timeout=1) is True
+    assert seen == {"args": ["tests/integrations/vllm/test_llm.py"], "require": "1"}
+    for result in ((0, "1 passed, 1 skipped in 9s"), (1, "1 failed, 1 passed in 9s"), (0, "")):
+        fake.result = result
+        assert gpu_check.vllm_engine(timeout=1) is False, result
+    capsys.readouterr()
