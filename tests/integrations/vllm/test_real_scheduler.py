@@ -256,7 +256,9 @@ def test_a_failed_or_stuck_copy_is_a_miss_never_the_engine(tmp_path, mode):
     later page is, the request finishes and vLLM gets every block back (a hung copy's blocks after
     ``write_timeout_s``: the one free under a copy the promise allows, its pages discarded)."""
     fault = _Faulty(mode)
-    rig = _rig(tmp_path, num_blocks=32, engine=fault, extra={"storage": "memory", "write_timeout_s": 0.3})
+    # write_timeout_s 1 s: long beside a one-page CPU copy even on a loaded 2-core machine (a copy that
+    # expired by chance would be a second miss), short enough to keep the hung case quick
+    rig = _rig(tmp_path, num_blocks=32, engine=fault, extra={"storage": "memory", "write_timeout_s": 1.0})
     try:
         rig.add("f", list(range(300, 320)), 60)
         rig.run(until=lambda r: not r.scheduler.requests)   # every request gone (a stuck copy may remain)
