@@ -27,7 +27,8 @@ from lifecycle.ledger import Ledger, Pending
 from lifecycle.log import RateLimitedLog, get_logger
 from lifecycle.records import OffloadedState, Record, Stats
 from lifecycle.release import AllocatorReleaseSink, plan_release, slot_end
-from lifecycle.requests import HostRows, check_shape, initial_progress, namespace_of, plan_chunk, read_request
+from lifecycle.pools import Pools
+from lifecycle.requests import check_shape, initial_progress, namespace_of, plan_chunk, read_request
 from lifecycle.states import Facts, Refusal, State
 
 _PREFILLED, _INFLIGHT, _FINISHED = State.PREFILLED, State.INFLIGHT, State.FINISHED
@@ -69,14 +70,13 @@ class DecodeOffloadManager(CallGate):
         self.page_size = config.positive_int(page_size, "page_size")
         self.offload_stride = config.stride(page_size, offload_stride)
         self.namespace_seed = config.namespace_seed(namespace_seed)
-        self._alloc_page = config.pools(req_to_token_pool, token_to_kv_pool_allocator, page_size)
+        alloc_page = config.pools(req_to_token_pool, token_to_kv_pool_allocator, page_size)
         config.offloader(offloader)
         if release_sink is None:
             release_sink = AllocatorReleaseSink(req_to_token_pool, token_to_kv_pool_allocator)
         config.release_sink(release_sink)
         self.req_to_token_pool = req_to_token_pool
         self._pool_shape = tuple(req_to_token_pool.req_to_token.shape)  # fixed for the pool's life
-        self._host_rows = HostRows()  # the table's NumPy view, when in host memory (the plans' row reads)
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.offloader, self.release_sink, self.tp_group = offloader, release_sink, tp_group
         self._clock = clock
@@ -87,7 +87,10 @@ class DecodeOffloadManager(CallGate):
         self._alerts = RateLimitedLog(self._log, demote=True)  # per-op warnings: bounded lines, all at DEBUG
         self._owners = table.OWNERS
         self._ledger = Ledger(self._owners, self._log)  # every datum of the bookkeeping, one owner
-        self._slot_end = slot_end(offloader, token_to_kv_pool_allocator)  # device pool's slots (None: unknown)
+        # what the plans read (page sizes, the row table and its NumPy view, the allocator, the
+        # device pool's slot count when the pools tell it): their explicit inputs, with the ledger
+        self._pools = Pools(self.page_size, alloc_page, slot_end(offloader, token_to_kv_pool_allocator),
+                            req_to_token_pool, token_to_kv_pool_allocator)
         table.OFFLOADERS.claim(offloader, self)
 
     @classmethod
@@ -374,7 +377,7 @@ class DecodeOffloadManager(CallGate):
             view = read_request(self, req, shaped=True)
             rec = self._ledger.new_record(req, view, initial_progress(self, req))
             n = self._due(rec, req)
-            chunk = plan_chunk(self, rec, req, view, n) if n else None
+            chunk = plan_chunk(self._pools, self._ledger, rec, req, view, n) if n else None
             self._insert(rec, req)
             if chunk is None:
                 return False
@@ -388,7 +391,7 @@ class DecodeOffloadManager(CallGate):
         self._debug = self._log.is_enabled_for(DEBUG)
         try:
             view = read_request(self, req, rec)
-            chunk = plan_chunk(self, rec, req, view, n)
+            chunk = plan_chunk(self._pools, self._ledger, rec, req, view, n)
             before = rec.offload.inc_len
             machine.offload(rec, mgr=self, req=req, chunk=chunk)
             return rec.offload.inc_len != before
@@ -408,7 +411,7 @@ class DecodeOffloadManager(CallGate):
             import torch
 
             quarantined = torch.cat(held)
-        return plan_release(self, rec, req, view, quarantined)
+        return plan_release(self._pools, self._ledger, self.release_sink, rec, req, view, quarantined)
 
     def _release(self, rec: Record, req, view=None, fresh: bool = False) -> None:
         """Decide, plan and apply a release (inside a call). Refused: nothing changed."""

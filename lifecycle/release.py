@@ -148,15 +148,20 @@ def _count(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0
 
 
-def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
+def plan_release(pools, ledger, sink, rec, req, view, quarantined=None) -> ReleasePlan:
     """The validated plan for releasing ``req`` (read by ``lifecycle.requests.read_request``).
+
+    Reads ``pools`` (``lifecycle.pools.Pools``: the row table, page sizes, the pool's slot count)
+    and the ``ledger`` (copies in flight); asks the release ``sink`` to check the plan
+    (``ReleaseSink.check``); changes nothing. ``view`` is ``(row, committed, allocated)``;
+    ``quarantined``: the slot ids this request's expired copies may still read (None: none).
 
     A row in host memory goes through ``lifecycle.slots.check_slots``, the check every chunk plan
     makes too (the allocator is asked through the release sink). A row on a device
     (``req_to_token`` on CUDA) is never read on the host here: the plan's slots stay on the device as
     the row lists them (not sorted, not deduplicated), and their values are checked on the device
     (``transfer.gather.check_ids_on_device``: not negative, below the pool's slot count when the
-    pools tell it, ``mgr._slot_end``, distinct), issued here on the current stream. That verdict
+    pools tell it, ``pools.slot_end``, distinct), issued here on the current stream. That verdict
     lands in host memory after this call returns, so it cannot refuse the release: a later
     ``check_offload_progress`` reads it once it has landed and reports a bad row (counted in
     ``stats().bad_release_rows``, logged as ``lifecycle.bad_release_row``). The one exception: a
@@ -171,9 +176,8 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
         ReleaseRefused: the release sink refuses the plan.
     """
     row_id, committed, allocated = view
-    ranges = release_ranges(committed, allocated, mgr._alloc_page)
-    table = mgr.req_to_token_pool.req_to_token
-    rows = mgr._host_rows.of(table)
+    ranges = release_ranges(committed, allocated, pools.alloc_page)
+    table, rows = pools.table()
     n_quarantined, check = 0, None
     if rows is not None:  # a host row: its ids read once, as NumPy, checked, handed over as a tensor
         slots = _EMPTY
@@ -181,27 +185,28 @@ def plan_release(mgr, rec, req, view, quarantined=None) -> ReleasePlan:
             a = _host_ids(rows, row_id, ranges)
             if a.shape[0]:
                 held = None if quarantined is None else _as_numpy(quarantined)
-                ids, n_quarantined = check_slots(mgr, rec.rid, row_id, ranges, a, "free", quarantined=held)
+                ids, n_quarantined = check_slots(pools, ledger, rec.rid, row_id, ranges, a, "free", quarantined=held)
                 slots = torch.from_numpy(ids) if ids.shape[0] else _EMPTY
             else:
                 slots = torch.from_numpy(a)
         plan = ReleasePlan(req, rec.rid, row_id, ranges, slots, committed, allocated, n_quarantined, None)
-        mgr.release_sink.check(plan)
+        sink.check(plan)
         return plan
     slots = _row_slots(table, row_id, ranges)
     if slots.numel():
         if on_host(slots) or quarantined is not None:
             # host rows always; on a device row, the one exception: a stuck copy's quarantine
             held = None if quarantined is None else _as_numpy(quarantined)
-            ids, n_quarantined = check_slots(mgr, rec.rid, row_id, ranges, _as_numpy(slots), "free", quarantined=held)
+            ids, n_quarantined = check_slots(pools, ledger, rec.rid, row_id, ranges, _as_numpy(slots), "free",
+                                             quarantined=held)
             slots = torch.from_numpy(ids) if ids.shape[0] else _EMPTY
             if not on_host(table):
                 slots = slots.to(table.device)
         else:  # a device row: checked where it lives, the verdict read by a later progress check
-            verdict, event = check_ids_on_device(slots, mgr._slot_end)
+            verdict, event = check_ids_on_device(slots, pools.slot_end)
             check = ReleaseCheck(rec.rid, row_id, rec.generation, ranges, verdict, event)
     plan = ReleasePlan(req, rec.rid, row_id, ranges, slots, committed, allocated, n_quarantined, check)
-    mgr.release_sink.check(plan)
+    sink.check(plan)
     return plan
 
 

@@ -22,6 +22,7 @@ from hashing import TokenRangeError, namespace_seed, page_hashes
 from lifecycle.errors import InvalidRequest, InvalidToken
 from lifecycle.records import Chunk, OffloadedState
 from transfer.indices import on_host
+from lifecycle.pools import Pools
 from lifecycle.slots import check_device_chunk, check_slots
 
 _SHAPE = ("rid", "origin_input_ids", "output_ids", "kv", "finished")
@@ -190,26 +191,6 @@ def initial_progress(mgr, req) -> OffloadedState:
     return OffloadedState(0, names[-1] if names else seed)
 
 
-class HostRows:
-    """The NumPy view of a ``req_to_token`` table in host memory, made once per table (a view
-    shares the table's memory, so a write to a row is seen): the chunk and release plans slice a
-    row there instead of building a view per call. ``of`` returns None for a table on a device."""
-
-    __slots__ = ("table", "rows")
-
-    def __init__(self) -> None:
-        self.table, self.rows = None, None
-
-    def __reduce__(self):  # a cache, not state: a copy (copy.deepcopy, pickle) starts empty and views its own table
-        return HostRows, ()
-
-    def of(self, table: torch.Tensor) -> np.ndarray | None:
-        if table is not self.table:  # a pool replaced its table: view the new one
-            self.rows = table.numpy() if on_host(table) else None  # an integer table: never requires grad
-            self.table = table
-        return self.rows
-
-
 def row_slots(table: torch.Tensor, row: int, start: int, end: int,
               rows: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
     """``table[row, start:end]`` as a fresh int64 tensor on the table's device, and its ids as NumPy
@@ -224,8 +205,12 @@ def row_slots(table: torch.Tensor, row: int, start: int, end: int,
     return table[row, start:end].to(torch.int64, copy=True), None
 
 
-def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
+def plan_chunk(pools: Pools, ledger, rec, req, view: View, n: int) -> Chunk:
     """The next ``n``-token chunk of ``req``, fully checked before any state changes.
+
+    Reads ``pools`` (page size, row table, allocator), the ``ledger`` (copies in flight, page names)
+    and the record's progress (``rec.offload``); writes nothing but the checked ids it leaves in the
+    ledger's planned slots for the chunk's commit. Returns the ``Chunk`` or raises.
 
     Raises:
         InvalidRequest: the chunk has tokens whose KV is not committed.
@@ -236,9 +221,10 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
             checked on the device (``check_device_chunk``) and a bad chunk's copy fails.
     """
     row, committed, _ = view
+    ps = pools.page_size
     origin, out = req.origin_input_ids, req.output_ids
     n_in = len(origin)
-    start = n_in - n_in % mgr.page_size + rec.offload.inc_len
+    start = n_in - n_in % ps + rec.offload.inc_len
     end = start + n
     if end > committed:
         raise InvalidRequest(
@@ -255,16 +241,16 @@ def plan_chunk(mgr, rec, req, view: View, n: int) -> Chunk:
     if type(tokens) is not list:
         tokens = list(tokens)
     try:
-        names = page_hashes(tokens, mgr.page_size, rec.offload.last_hash)
+        names = page_hashes(tokens, ps, rec.offload.last_hash)
     except TokenRangeError:
-        names = hashes(rec.rid, tokens, mgr.page_size, rec.offload.last_hash, start)
-    table = mgr.req_to_token_pool.req_to_token
-    indices, ids = row_slots(table, row, start, end, mgr._host_rows.of(table))
+        names = hashes(rec.rid, tokens, ps, rec.offload.last_hash, start)
+    table, rows = pools.table()
+    indices, ids = row_slots(table, row, start, end, rows)
     if ids is not None:
-        check_slots(mgr, rec.rid, row, ((start, end),), ids, "offload", indices=indices, names=names,
+        check_slots(pools, ledger, rec.rid, row, ((start, end),), ids, "offload", indices=indices, names=names,
                     serial=rec.serial)
     else:  # on the device, no host read: a chunk that fails is a failed copy, never stored
-        check_device_chunk(mgr, indices)
+        check_device_chunk(pools, ledger, indices)
     # the page before the chunk: none before the chain's first page (its prior, the namespace
     # seed when there is one, is no page); every chunk and the prefill are whole pages
     parent = rec.offload.last_hash if start else None

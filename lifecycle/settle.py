@@ -131,7 +131,7 @@ def release_checks(mgr, final: bool = False) -> None:
     for c, found in ledger.read_release_checks():
         log = mgr._log.bind(rid=c.rid, row=c.row, gen=c.gen)
         mgr._emit(log.error, audit.BAD_RELEASE_ROW, ranges=[tuple(r) for r in c.ranges],
-                  problem=_bad_row(found, mgr._slot_end), slots_end=mgr._slot_end, **found,
+                  problem=_bad_row(found, mgr._pools.slot_end), slots_end=mgr._pools.slot_end, **found,
                   why="checked on the device after the release was issued: reported, not refused")
     if final and ledger.release_checks:
         unread = ledger.drop_oldest_checks(0)

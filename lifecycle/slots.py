@@ -272,42 +272,43 @@ class DeviceReads:
         return mask
 
 
-def check_device_chunk(mgr, indices: torch.Tensor) -> None:
+def check_device_chunk(pools, ledger, indices: torch.Tensor) -> None:
     """Check a chunk's slot ids that live on a device (``indices``: the plan's own int64 copy of
     the row) as ``check_slots`` checks a host row's — pages distinct, none read by a copy in flight,
     every one held by the allocator when it can tell — on the device, on the caller's stream,
     without reading them (``transfer.gather.check_chunk_on_device``). A chunk that fails has its
     ids set to -1 in place, on the device: its copy then fails (whole aligned pages inside the pool
     is the copy's check) and nothing of it is stored. The chunk's pages are left in
-    ``mgr._ledger.reading.device.planned`` for the chunk's commit (``SlotsInFlight.add``).
+    ``ledger.reading.device.planned`` for the chunk's commit (``SlotsInFlight.add``).
 
-    Without the pool's slot count (``mgr._slot_end`` None) only the pages' distinctness is checked.
+    Without the pool's slot count (``pools.slot_end`` None) only the pages' distinctness is checked.
     """
-    ps, end = mgr.page_size, mgr._slot_end
+    ps, end = pools.page_size, pools.slot_end
     if end is None:
         bad, _ = check_chunk_on_device(indices, ps, None)
         indices.masked_fill_(bad, -1)
         return
-    reading = mgr._ledger.reading
+    reading = ledger.reading
     dev = reading.device_reads(indices, ps, end)
-    held = dev.held(mgr.token_to_kv_pool_allocator, indices.device, mgr._alloc_page)
-    bad, pages = check_chunk_on_device(indices, ps, end, dev.counts, held, mgr._alloc_page)
+    held = dev.held(pools.allocator, indices.device, pools.alloc_page)
+    bad, pages = check_chunk_on_device(indices, ps, end, dev.counts, held, pools.alloc_page)
     indices.masked_fill_(bad, -1)
     dev.plan(indices, bad, pages)
 
 
-def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None,
+def check_slots(pools, ledger, rid, row: int, ranges, a: np.ndarray, verb: str, quarantined=None, indices=None,
                 names=None, serial: int = 0):
     """Check the slot ids ``a`` (int64, row order) a plan will ``verb``; return them sorted and distinct.
 
     Args:
-        mgr: the manager (its ledger's ``reading`` counts and copies in flight, its allocator).
+        pools: the pools (``lifecycle.pools.Pools``: page sizes, the allocator).
+        ledger: the manager's ledger (its ``reading`` counts, copies in flight and page names).
         rid, row, ranges: the request, its row and the token ranges ``a`` comes from (for messages).
         verb: ``"offload"`` or ``"free"``.
         quarantined: numpy ids this request's own expired copies may still read (a release leaves
             them out instead of refusing); None for none.
         indices: the chunk plan's slot tensor: the allocator is asked too (``check_free``; a
-            release asks its sink instead) and the checked ids are left in ``mgr._ledger.reading.planned``
+            release asks its sink instead) and the checked ids are left in ``ledger.reading.planned``
             for the chunk's commit.
         names, serial: the chunk plan's page names and its record's ``serial``: a device page
             another live request holds under another name is refused (``PageNames``).
@@ -344,17 +345,17 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             return s, left_out
         lo, hi = int(s[0]), int(s[-1])
     run = hi - lo + 1 == s.shape[0]
-    busy = mgr._ledger.reading.read(s, lo, hi, run)
+    busy = ledger.reading.read(s, lo, hi, run)
     if busy is not None:
         slot = int(busy[0])
         raise InvalidSlots(f"request {rid!r}: row {row} lists slot {slot} at a position to {verb} {_span(ranges)}, "
-                           f"which {_reader(mgr, slot)} still reads")
+                           f"which {ledger.reader_of(slot)} still reads")
     if indices is not None:
-        alloc = mgr.token_to_kv_pool_allocator
+        alloc = pools.allocator
         holds = getattr(alloc, "holds_slots", None) if run else None
         probe = None if holds is not None and holds(lo, hi) else probe_of(alloc, "check_free")
         if probe is not None:
-            page = mgr._alloc_page
+            page = pools.alloc_page
             firsts = (np.arange(lo // page, hi // page + 1, dtype=np.int64) if run else np.unique(s // page)) * page
             try:
                 probe(torch.from_numpy(firsts))
@@ -363,15 +364,14 @@ def check_slots(mgr, rid, row: int, ranges, a: np.ndarray, verb: str, quarantine
             except Exception as err:
                 raise InvalidSlots(f"request {rid!r}: row {row} lists slots the allocator does not hold at positions "
                                    f"to {verb} {_span(ranges)}: {err}") from err
-        ledger = mgr._ledger
         if names is not None:
-            ps = mgr.page_size  # each chunk page's device page: its first slot's
+            ps = pools.page_size  # each chunk page's device page: its first slot's
             keys = (int(a[0]) // ps,) if n == ps else (a[::ps] // ps).tolist()
             hit = ledger.names.conflict(keys, serial, names, ledger.holders)
             if hit is not None:
                 i, holder = hit
                 raise InvalidSlots(
-                    f"request {rid!r}: row {row} lists slot {int(a[i * mgr.page_size])} at a position to {verb} "
+                    f"request {rid!r}: row {row} lists slot {int(a[i * ps])} at a position to {verb} "
                     f"{_span(ranges)}, on a device page request {holder.rid!r} holds under another page name "
                     f"({ledger.names.name[keys[i]]} there, {names[i]} here): its KV would be stored "
                     f"under this request's name")
@@ -398,7 +398,3 @@ def probe_of(obj, name: str):
 def _span(ranges) -> str:
     return f"(ranges {[tuple(r) for r in ranges]})"
 
-
-def _reader(mgr, slot: int) -> str:
-    """Who reads ``slot`` (rare path: a refusal)."""
-    return mgr._ledger.reader_of(slot)

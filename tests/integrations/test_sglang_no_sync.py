@@ -256,7 +256,7 @@ def test_a_bad_device_release_row_is_reported_at_the_next_progress_check(store_d
     node = device_resident_node()
     full = node.alloc.available_size()
     mgr = build(node)
-    assert mgr.manager._slot_end == node.kv.k_buffer[0].shape[0]  # the pool's slots, known without a read
+    assert mgr.manager._pools.slot_end == node.kv.k_buffer[0].shape[0]  # the pool's slots, known without a read
     req, row = _finished_request(node, corrupt)
     with structlog.testing.capture_logs() as logs:
         with no_host_sync():

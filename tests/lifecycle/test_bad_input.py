@@ -234,7 +234,7 @@ def test_bad_pools_are_refused_with_what_is_wrong(pool, alloc, message):
 
 def test_an_allocator_without_a_page_size_pages_by_single_slots():
     mgr = DecodeOffloadManager(_row_pool(), _allocator(), page_size=3, offloader=Node(page_size=3).off)
-    assert mgr._alloc_page == 1
+    assert mgr._pools.alloc_page == 1
 
 
 def test_a_missing_offloader_and_missing_offloader_methods_are_named():

@@ -72,7 +72,7 @@ def test_the_default_page_size_is_16_and_the_device_pools_slot_count_comes_from_
     off = InMemoryOffloader(page_size=16, host_pages=8)
     off.kv = SimpleNamespace(slots=100)                  # the device KV pool, as transfer.KVPool tells it
     mgr = DecodeOffloadManager(pool, alloc, offloader=off)
-    assert mgr.page_size == 16 and mgr._slot_end == 100
+    assert mgr.page_size == 16 and mgr._pools.slot_end == 100
 
 
 def test_events_go_to_the_stdlib_logger_named_lifecycle_when_structlog_is_not_configured(caplog):

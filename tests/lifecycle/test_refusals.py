@@ -171,7 +171,8 @@ def test_case1_the_default_sink_checks_the_row_pool_before_freeing(rig):
     slot and the row. (The slots' refusal: the over-allocated tail tests above.)"""
     req, slots = finished(rig)
     row = req.kv.req_pool_idx
-    plan = plan_release(rig.mgr, SimpleNamespace(rid="r"), req, (row, 10, 10))
+    mgr = rig.mgr
+    plan = plan_release(mgr._pools, mgr._ledger, mgr.release_sink, SimpleNamespace(rid="r"), req, (row, 10, 10))
     sink = AllocatorReleaseSink(rig.pool, rig.alloc)
     stale = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=row))
     rig.pool.free(stale)

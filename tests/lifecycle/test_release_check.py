@@ -69,7 +69,7 @@ def test_the_pools_slot_count_comes_from_attributes_never_from_device_memory():
     assert slot_end(None, SimpleNamespace(size=8)) is None
     assert slot_end(None, SimpleNamespace(size=8, page_size=True)) is None  # a bool is no count
     assert slot_end(SimpleNamespace(kv=SimpleNamespace(slots=0)), SimpleNamespace(total_slots=-1)) is None
-    assert device_rig().mgr._slot_end == END
+    assert device_rig().mgr._pools.slot_end == END
 
 
 @pytest.mark.parametrize("bad, field, words", [
@@ -117,7 +117,7 @@ def test_the_last_slot_of_the_pool_and_a_good_row_report_nothing():
 
 def test_without_a_known_pool_size_only_negatives_and_repeats_are_checked():
     rig = device_rig()
-    rig.mgr._slot_end = None
+    rig.mgr._pools.slot_end = None
     far, neg = finished(rig, "far", bad=10 ** 6), finished(rig, "neg", bad=-1)
     with capture_logs() as logs, no_host_sync():
         rig.mgr.finalize_release_on_finish(far)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lifecycle.pools import Pools
 from lifecycle.slots import SlotsInFlight
 
 
@@ -103,13 +104,13 @@ def bare_mgr(alloc=None, page=4, reading=()):
     r = ledger.reading
     for ack, xs in reading:
         r.add(ack, torch.tensor(xs, dtype=torch.int64))
-    return SimpleNamespace(_ledger=ledger, _alloc_page=page,
-                           token_to_kv_pool_allocator=alloc if alloc is not None else SpyAllocator())
+    pools = Pools(page, page, None, None, alloc if alloc is not None else SpyAllocator())
+    return SimpleNamespace(pools=pools, ledger=ledger)
 
 
 def plan(mgr, xs, **kw):
     a = ids(*xs)
-    return check_slots(mgr, "r", 3, ((0, len(xs)),), a, "offload", indices=torch.from_numpy(a), **kw)
+    return check_slots(mgr.pools, mgr.ledger, "r", 3, ((0, len(xs)),), a, "offload", indices=torch.from_numpy(a), **kw)
 
 
 def test_a_run_the_allocator_says_it_holds_is_not_probed_page_by_page():
@@ -136,7 +137,7 @@ def test_ids_that_are_no_run_are_probed_by_their_own_pages_only():
     mgr = bare_mgr(SpyAllocator(holds=False, refuse={8}))
     with pytest.raises(InvalidSlots, match=r"row 3 lists slots the allocator does not hold .*page 8 not held"):
         plan(mgr, [1, 0, 9, 8])
-    assert mgr._ledger.reading.planned is None
+    assert mgr.ledger.reading.planned is None
 
 
 @pytest.mark.parametrize("check_free", ["absent", 0])
@@ -144,7 +145,7 @@ def test_an_allocator_without_a_callable_check_free_is_trusted(check_free):
     alloc = SimpleNamespace() if check_free == "absent" else SimpleNamespace(check_free=check_free)
     mgr = bare_mgr(alloc)
     s, _ = plan(mgr, [0, 2, 9])
-    assert s.tolist() == [0, 2, 9] and mgr._ledger.reading.planned[1].tolist() == [0, 2, 9]
+    assert s.tolist() == [0, 2, 9] and mgr.ledger.reading.planned[1].tolist() == [0, 2, 9]
 
 
 def test_ids_with_gaps_ignore_a_copy_reading_the_gaps():
@@ -163,15 +164,16 @@ def test_ids_with_gaps_ignore_a_copy_reading_the_gaps():
 def test_a_release_around_quarantined_slots_still_refuses_a_slot_another_copy_reads(xs, held, busy):
     mgr = bare_mgr(reading=[(7, [busy])])
     with pytest.raises(InvalidSlots, match=rf"request 'r': row 3 lists slot {busy} at a position to free"):
-        check_slots(mgr, "r", 3, ((0, 9),), ids(*xs), "free", quarantined=ids(*held))
+        check_slots(mgr.pools, mgr.ledger, "r", 3, ((0, 9),), ids(*xs), "free", quarantined=ids(*held))
     free = bare_mgr()
-    s, left_out = check_slots(free, "r", 3, ((0, 9),), ids(*xs), "free", quarantined=ids(*held))
+    s, left_out = check_slots(free.pools, free.ledger, "r", 3, ((0, 9),), ids(*xs), "free", quarantined=ids(*held))
     assert s.tolist() == [x for x in xs if x not in held] and left_out == len(held)
 
 
 def test_no_ids_are_no_ids_checked_and_none_left_out():
     for verb, kw in (("offload", {"indices": torch.empty(0, dtype=torch.int64)}), ("free", {"quarantined": ids(3)})):
-        s, left_out = check_slots(bare_mgr(), "r", 3, ((0, 0),), np.empty(0, dtype=np.int64), verb, **kw)
+        bare = bare_mgr()
+        s, left_out = check_slots(bare.pools, bare.ledger, "r", 3, ((0, 0),), np.empty(0, dtype=np.int64), verb, **kw)
         assert s.shape == (0,) and left_out == 0
 
 
