@@ -107,7 +107,9 @@ class Offloader(Protocol):
         ...
 
     def free_host(self, host_indices: torch.Tensor) -> None:
-        """Return host pages to the host pool. Raises on a double free."""
+        """Return host pages to the host pool. Raises on a double free (or pages a copy or storage
+        op still uses), and then frees none of them: the manager, refused one call for several ops'
+        pages, frees them op by op."""
         ...
 
     def close(self, timeout: float | None):
