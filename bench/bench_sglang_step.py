@@ -54,7 +54,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -68,6 +67,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
+from bench.perfkit import (  # noqa: E402
+    clock_overhead_ns, fmt, load_line, machine, parse_configs, percentile, ratio_text, ratios, schedule, summarize,
+)
+
 SGLANG = "sglang"
 DROPIN = "drop-in"
 KINDS = (SGLANG, DROPIN)
@@ -80,17 +83,6 @@ LAYERS, HEADS, HEAD_DIM = 4, 2, 64  # bf16: 2 KiB of K+V per token
 DEFAULT_CONFIGS = "256/16,256/64,64/16"
 
 # --- pure helpers (no sglang; tests/bench/test_bench_sglang_step.py) -------------------------------
-
-
-def percentile(values, q: float) -> float:
-    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``: the smallest value with at
-    least ``q`` % of the values at or below it. Raises ValueError for no values or q out of range."""
-    if not 0 < q <= 100:
-        raise ValueError(f"percentile {q} is not in (0, 100]")
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of no values")
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def net_of_copy(totals, copies) -> list:
@@ -111,59 +103,12 @@ def pair_order(pair: int) -> tuple[str, str]:
     return (SGLANG, DROPIN) if pair % 2 == 0 else (DROPIN, SGLANG)
 
 
-def schedule(configs: list, pairs: int) -> list[tuple[int, tuple[int, int]]]:
-    """The pairs in the order they run: ``(pair, config)``, every configuration once per pair index,
-    in reverse order in odd pairs."""
-    return [(pair, config) for pair in range(pairs) for config in (configs if pair % 2 == 0 else configs[::-1])]
-
-
 def step_order(pair: int, step: int) -> tuple[str, str]:
     """Which manager steps first at measured step ``step`` of pair ``pair``: ``pair_order(pair)``,
     swapped every other pair of steps (steps alternate per step / per call, so each manager goes first
     in half of the steps of each kind)."""
     first, second = pair_order(pair)
     return (first, second) if (step // 2) % 2 == 0 else (second, first)
-
-
-def pair_ratios(ours, theirs) -> list:
-    """Pair by pair, ``ours / theirs`` (the drop-in over SGLang's). Raises ValueError for unequal
-    lengths or a non-positive figure of SGLang's."""
-    if len(ours) != len(theirs):
-        raise ValueError(f"{len(ours)} runs of ours but {len(theirs)} of SGLang's")
-    if any(t <= 0 for t in theirs):
-        raise ValueError("a non-positive SGLang figure has no ratio")
-    return [o / t for o, t in zip(ours, theirs)]
-
-
-def parse_configs(text: str) -> list[tuple[int, int]]:
-    """``"256/16,64/16"`` -> ``[(256, 16), (64, 16)]`` (running requests / page size)."""
-    out = []
-    for item in text.split(","):
-        running, _, page = item.strip().partition("/")
-        if not running.isdigit() or not page.isdigit() or int(running) < 1 or int(page) < 1:
-            raise ValueError(f"configuration {item!r} is not RUNNING/PAGE")
-        out.append((int(running), int(page)))
-    return out
-
-
-def summarize(runs: list[dict], key: str) -> float:
-    """The median over runs of one run figure, runs without it (NaN: no such call) left out; NaN if none."""
-    values = [r[key] for r in runs if r[key] == r[key]]
-    return statistics.median(values) if values else float("nan")
-
-
-def fmt(value: float, width: int = 9) -> str:
-    return f"{'-':>{width}}" if value != value else f"{value:{width}.1f}"
-
-
-def clock_overhead_ns(samples: int = 2001) -> int:
-    """The median cost of one timed section with nothing in it (two ``thread_time_ns`` reads)."""
-    clock = time.thread_time_ns
-    deltas = []
-    for _ in range(samples):
-        a = clock()
-        deltas.append(clock() - a)
-    return int(statistics.median(deltas))
 
 
 # --- SGLang's classes on CPU ------------------------------------------------------------------------
@@ -494,18 +439,6 @@ def run_pair(env: SGLangEnv, pair: int, running: int, page: int, steps: int, war
     return {kind: measures[kind].result(runs[kind], steps, load, ends[kind]) for kind in runs}
 
 
-def machine_line() -> str:
-    from bench.perfkit import machine
-
-    return machine()
-
-
-def other_load() -> str:
-    """The load averages, to say how loaded the machine was."""
-    load = os.getloadavg()
-    return f"load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
-
-
 ROWS = (("p50", "per step p50"), ("p99", "per step p99"), ("idle_call", "call, no chunk due"),
         ("enqueue_call", "call that enqueues a chunk"), ("release_call", "finished request's release"),
         ("progress_call", "check_offload_progress"))
@@ -539,9 +472,9 @@ def report(results: dict, pairs: int) -> None:
             bound = target_of(key, running)
             rt, rng, met = "-", "-", "-"
             if both:
-                ratios = pair_ratios([o for o, _ in both], [t for _, t in both])
-                ratio = statistics.median(ratios)
-                rt, rng = f"{ratio:.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}"
+                rs = ratios([o for o, _ in both], [t for _, t in both])
+                ratio = statistics.median(rs)
+                rt, rng = f"{ratio:.2f}x", f"{min(rs):.2f}-{max(rs):.2f}"
                 met = "-" if bound is None else ("yes" if ratio <= bound else "NO")
             tg = "-" if bound is None else f"<={bound:.2f}x"
             print(f"{f'{running}/{page}':>12} {label:<28} {fmt(sv)} {fmt(dv)} {rt:>7} {rng:>11} {tg:>7}  {met}")
@@ -549,8 +482,7 @@ def report(results: dict, pairs: int) -> None:
         if quiet:
             parts = []
             for key in ("p50", "p99"):
-                ratios = pair_ratios([d[i][key] for i in quiet], [s[i][key] for i in quiet])
-                parts.append(f"{key} {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+                parts.append(f"{key} {ratio_text(ratios([d[i][key] for i in quiet], [s[i][key] for i in quiet]))}")
             print(f"{'':>12} quiet pairs (load <= {os.cpu_count()} at both runs' start and end): {len(quiet)} of "
                   f"{len(s)}; per step ratio " + ", ".join(parts))
         else:
@@ -608,8 +540,8 @@ def main(argv=None) -> int:
 
     overhead = clock_overhead_ns()
     env = SGLangEnv(overhead)
-    print(machine_line())
-    print(f"SGLang {version('sglang')}; {other_load()} at start")
+    print(machine())
+    print(f"SGLang {version('sglang')}; {load_line()} at start")
     print(f"managers: sglang = {NAMES[SGLANG]}")
     print(f"          drop-in = {NAMES[DROPIN]} (this checkout)")
     print(f"KV {LAYERS} layers x {HEADS} heads x {HEAD_DIM} bf16, stride = page, "
@@ -632,7 +564,7 @@ def main(argv=None) -> int:
     finally:
         env.close()
     report(results, args.pairs)
-    print(f"{other_load()} at end")
+    print(f"{load_line()} at end")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{n}/{p}": v for (n, p), v in results.items()}, f, indent=1)

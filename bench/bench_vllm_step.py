@@ -63,7 +63,6 @@ import gc
 import itertools
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -74,6 +73,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+
+from bench.perfkit import (  # noqa: E402
+    clock_overhead_ns, fmt, load_line, machine, parse_configs, percentile, ratio_text, ratios, schedule, summarize,
+)
 
 NONE, OFFLOAD, OURS = "none", "offload", "ours"
 KINDS = (NONE, OFFLOAD, OURS)
@@ -91,62 +94,11 @@ PERMS = list(itertools.permutations(KINDS))
 # --- pure helpers (no vllm; tests/bench/test_bench_vllm_step.py) ---------------------------------------
 
 
-def percentile(values, q: float) -> float:
-    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``: the smallest value with at
-    least ``q`` % of the values at or below it. Raises ValueError for no values or q out of range."""
-    if not 0 < q <= 100:
-        raise ValueError(f"percentile {q} is not in (0, 100]")
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of no values")
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
 def step_order(triple: int, step: int) -> tuple[str, ...]:
     """Which run steps first, second, third at measured step ``step`` of triple ``triple``: the six
     permutations of ``KINDS`` in turn, one per pair of steps (so per-step steps and per-call steps each
     go through all six), shifted by one triple by triple."""
     return PERMS[(step // 2 + triple) % len(PERMS)]
-
-
-def schedule(configs: list, triples: int) -> list[tuple[int, tuple[int, int]]]:
-    """The triples in the order they run: ``(triple, config)``, every configuration once per triple
-    index, in reverse order in odd triples."""
-    return [(t, c) for t in range(triples) for c in (configs if t % 2 == 0 else configs[::-1])]
-
-
-def ratios(ours, theirs) -> list:
-    """Run by run, ``ours / theirs``. Raises ValueError for unequal lengths or a non-positive
-    denominator."""
-    if len(ours) != len(theirs):
-        raise ValueError(f"{len(ours)} figures but {len(theirs)} to divide by")
-    if any(not t > 0 for t in theirs):
-        raise ValueError("a non-positive figure has no ratio")
-    return [o / t for o, t in zip(ours, theirs)]
-
-
-def ratio_text(values) -> str:
-    """``"1.23x (1.10-1.40)"``: the median of per-triple ratios and their range."""
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
-
-
-def parse_configs(text: str) -> list[tuple[int, int]]:
-    """``"256/16,64/16"`` -> ``[(256, 16), (64, 16)]`` (running requests / block size)."""
-    out = []
-    for item in text.split(","):
-        running, _, block = item.strip().partition("/")
-        if not running.isdigit() or not block.isdigit() or int(running) < 1 or int(block) < 1:
-            raise ValueError(f"configuration {item!r} is not RUNNING/BLOCK")
-        out.append((int(running), int(block)))
-    return out
-
-
-def summarize(runs: list[dict], key: str) -> float:
-    """The median over runs of one run figure, runs without it (NaN) left out; NaN if none."""
-    values = [r[key] for r in runs if r.get(key, float("nan")) == r.get(key, float("nan"))]
-    return statistics.median(values) if values else float("nan")
 
 
 def written_pages(num_tokens: int, num_computed: int, num_prompt: int, block: int) -> tuple[int, int]:
@@ -160,20 +112,6 @@ def written_pages(num_tokens: int, num_computed: int, num_prompt: int, block: in
                          f"block {block}")
     whole = min(num_computed, num_tokens - 1) // block
     return whole, max(0, whole - num_prompt // block)
-
-
-def fmt(value: float, width: int = 9) -> str:
-    return f"{'-':>{width}}" if value != value else f"{value:{width}.1f}"
-
-
-def clock_overhead_ns(samples: int = 2001) -> int:
-    """The median cost of one timed section with nothing in it (two ``thread_time_ns`` reads)."""
-    clock = time.thread_time_ns
-    deltas = []
-    for _ in range(samples):
-        a = clock()
-        deltas.append(clock() - a)
-    return int(statistics.median(deltas))
 
 
 # --- vLLM on CPU ---------------------------------------------------------------------------------------
@@ -561,11 +499,6 @@ def checkout() -> str:
     return f"{root} at {head}" + (f", changed: {', '.join(changed)}" if changed else ", clean")
 
 
-def other_load() -> str:
-    load = os.getloadavg()
-    return f"load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
-
-
 STEP_ROWS = (("p50", "per step p50"), ("p99", "per step p99"))
 CONNECTOR_ROWS = (("calls_p50", "connector calls per step p50"), ("calls_p99", "connector calls per step p99"),
                   ("build_connector_meta", "build_connector_meta"),
@@ -640,7 +573,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.configs, args.triples, args.steps, args.output = "32/16", 1, 24, "32,96"
     try:
-        configs = parse_configs(args.configs)
+        configs = parse_configs(args.configs, "BLOCK")
     except ValueError as err:
         ap.error(str(err))
     output = tuple(int(x) for x in args.output.split(","))
@@ -675,12 +608,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     init_none_hash(sha256)
-    from bench.perfkit import machine
-
     overhead = clock_overhead_ns()
     root = tempfile.mkdtemp(prefix="bench-vllm-step-")
     print(machine())
-    print(f"vLLM {release}; {other_load()} at start")
+    print(f"vLLM {release}; {load_line()} at start")
     print(f"checkout measured: {checkout()}")
     print(f"runs: none = no kv_transfer_config; offload = vLLM's OffloadingConnector {OFFLOAD_EXTRA} "
           f"(worker transfers: StandInTransfers); ours = {OURS_MODULE} (storage {args.storage}, worker in-process)")
@@ -703,7 +634,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(results, args.triples)
-    print(f"{other_load()} at end")
+    print(f"{load_line()} at end")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({f"{n}/{b}": v for (n, b), v in results.items()}, f, indent=1)

@@ -7,6 +7,7 @@ reports medians. No benchmark result is ever asserted in a test.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -81,3 +82,80 @@ def print_rows(title: str, rows: list[Row]) -> None:
         met = "-" if r.met is None else ("yes" if r.met else "NO")
         print(f"{r.name:44} {r.ours:12,.2f} {r.baseline:12,.2f} {r.unit:>10} {r.ratio:6.2f} "
               f"{r.target:>8}  {met}{'  ' + r.note if r.note else ''}")
+
+
+# --- the engine step benches' shared arithmetic (bench_sglang_step.py, bench_vllm_step.py) ------------
+
+
+def percentile(values, q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0 < q <= 100) of ``values``: the smallest value with at
+    least ``q`` % of the values at or below it. Raises ValueError for no values or q out of range."""
+    if not 0 < q <= 100:
+        raise ValueError(f"percentile {q} is not in (0, 100]")
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def ratios(ours, theirs) -> list:
+    """Run by run, ``ours / theirs``. Raises ValueError for unequal lengths or a denominator that is
+    not positive (NaN included)."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"{len(ours)} figures but {len(theirs)} to divide by")
+    if any(not t > 0 for t in theirs):
+        raise ValueError("a non-positive figure has no ratio")
+    return [o / t for o, t in zip(ours, theirs)]
+
+
+def ratio_text(values) -> str:
+    """``"1.23x (1.10-1.40)"``: the median of run-by-run ratios and their range; ``"-"`` for none."""
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def schedule(configs: list, rounds: int) -> list[tuple[int, tuple[int, int]]]:
+    """The rounds (pairs, triples) in the order they run: ``(round, config)``, every configuration once
+    per round index, in reverse order in odd rounds."""
+    return [(r, c) for r in range(rounds) for c in (configs if r % 2 == 0 else configs[::-1])]
+
+
+def parse_configs(text: str, unit: str = "PAGE") -> list[tuple[int, int]]:
+    """``"256/16,64/16"`` -> ``[(256, 16), (64, 16)]`` (running requests / ``unit``: page or block size).
+    Raises ValueError naming the item that is not ``RUNNING/UNIT`` with both positive."""
+    out = []
+    for item in text.split(","):
+        running, _, size = item.strip().partition("/")
+        if not running.isdigit() or not size.isdigit() or int(running) < 1 or int(size) < 1:
+            raise ValueError(f"configuration {item!r} is not RUNNING/{unit}")
+        out.append((int(running), int(size)))
+    return out
+
+
+def summarize(runs: list[dict], key: str) -> float:
+    """The median over runs of one run figure, runs without it (missing or NaN) left out; NaN if none."""
+    values = [v for v in (r.get(key, float("nan")) for r in runs) if v == v]
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(value: float, width: int = 9) -> str:
+    """``value`` to one decimal in ``width`` columns; ``-`` for NaN (no such figure)."""
+    return f"{'-':>{width}}" if value != value else f"{value:{width}.1f}"
+
+
+def clock_overhead_ns(samples: int = 2001) -> int:
+    """The median cost of one timed section with nothing in it (two ``thread_time_ns`` reads)."""
+    clock = time.thread_time_ns
+    deltas = []
+    for _ in range(samples):
+        a = clock()
+        deltas.append(clock() - a)
+    return int(statistics.median(deltas))
+
+
+def load_line() -> str:
+    """The load averages, to say how loaded the machine was."""
+    load = os.getloadavg()
+    return f"load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
+

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_sglang_step import (  # noqa: E402
-    DROPIN, SGLANG, net_of_copy, pair_order, pair_ratios, parse_configs, percentile, schedule, step_order,
+    DROPIN, SGLANG, net_of_copy, pair_order, parse_configs, percentile, ratios, schedule, step_order,
     target_of,
 )
 
@@ -72,11 +72,11 @@ def test_in_lockstep_each_manager_goes_first_in_half_the_steps_of_each_kind():
 
 
 def test_ratios_are_per_pair_drop_in_over_sglang():
-    assert pair_ratios([1.0, 3.0], [2.0, 2.0]) == [0.5, 1.5]
+    assert ratios([1.0, 3.0], [2.0, 2.0]) == [0.5, 1.5]
     with pytest.raises(ValueError):
-        pair_ratios([1.0], [1.0, 2.0])
+        ratios([1.0], [1.0, 2.0])
     with pytest.raises(ValueError):
-        pair_ratios([1.0], [0.0])
+        ratios([1.0], [0.0])
 
 
 def test_configs_and_targets():
