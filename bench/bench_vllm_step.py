@@ -271,22 +271,13 @@ class Run:
 
     def _worker_side(self, so):
         """The worker side of one step, as vLLM's model runner drives it (untimed); its output."""
-        from vllm.v1.outputs import KVConnectorOutput
+        from lifecycle_tools.testkit.vllm_engine import worker_output
 
         w = self.worker
         if w is None:
             return None
-        meta = so.kv_connector_metadata
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-        w.wait_for_save()
-        res = w.get_transfer_results(so.finished_req_ids)
-        kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                finished_recving=res.finished_recving or None,
-                                invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                kv_connector_worker_meta=w.build_connector_worker_meta())
-        w.clear_connector_metadata()
+        w.handle_preemptions(so.kv_connector_metadata)
+        kvo = worker_output(w, so)
         return None if kvo.is_empty() else kvo
 
     def _model_output(self, so, kvo):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -41,6 +40,28 @@ def tiny_llama(directory, layers: int = 2, kv_heads: int = 2, head_dim: int = 32
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 4096, "head_dim": head_dim,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": EOS}))
     return str(model)
+
+
+def worker_output(worker, scheduler_output, layers=()):
+    """A worker-side connector's calls around one forward, as vLLM's model runner makes them
+    (``KVConnectorModelRunnerMixin``; ``handle_preemptions`` is the caller's, before the forward): the
+    step's metadata bound, loads started (and waited for layer by layer for ``layers``), saves, the
+    transfer results, load errors and worker metadata, the metadata cleared. Returns the step's
+    ``KVConnectorOutput`` (``is_empty()`` when the worker has nothing to report)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    worker.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+    worker.start_load_kv(None)
+    for name in layers:
+        worker.wait_for_layer_load(name)
+    worker.wait_for_save()
+    res = worker.get_transfer_results(scheduler_output.finished_req_ids)
+    out = KVConnectorOutput(finished_sending=res.finished_sending or None,
+                            finished_recving=res.finished_recving or None,
+                            invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                            kv_connector_worker_meta=worker.build_connector_worker_meta())
+    worker.clear_connector_metadata()
+    return out
 
 
 def kv_of(rid: str, positions: torch.Tensor, layers: int, heads: int, head_dim: int) -> torch.Tensor:
@@ -212,7 +233,7 @@ class VllmRig:
         return 3 + (sum(map(ord, rid)) * 7 + n * 13) % 900
 
     def step(self):
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
         so = self.scheduler.schedule()
         meta = so.kv_connector_metadata
@@ -236,15 +257,7 @@ class VllmRig:
                 write_slots(caches, self.split, self._kernel_slots(caches, slots), part)
         outputs = []
         for w in self.workers:
-            w.bind_connector_metadata(meta)
-            w.start_load_kv(None)
-            w.wait_for_save()
-            res = w.get_transfer_results(so.finished_req_ids)
-            kvo = KVConnectorOutput(finished_sending=res.finished_sending or None,
-                                    finished_recving=res.finished_recving or None,
-                                    invalid_block_ids=w.get_block_ids_with_load_errors(),
-                                    kv_connector_worker_meta=w.build_connector_worker_meta())
-            w.clear_connector_metadata()
+            kvo = worker_output(w, so)
             sampled = []
             for rid in req_ids:
                 req = self.requests[rid]

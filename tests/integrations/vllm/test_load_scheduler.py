@@ -49,12 +49,13 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_configs, get_request_block_
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from lifecycle.integrations.vllm.layout import VllmKVLayout  # noqa: E402
+from lifecycle_tools.testkit.vllm_engine import worker_output  # noqa: E402
 from lifecycle.integrations.vllm.load import LoadJob, LoadWorker  # noqa: E402
 from lifecycle.integrations.vllm.lookup import LoadPlanner  # noqa: E402
 
@@ -196,19 +197,10 @@ class Engine:
         """One engine step: schedule, the worker's connector calls around a forward (which writes
         no KV: only the loaded blocks are compared), the output back to the scheduler."""
         out = self.scheduler.schedule()
-        w = self.worker
-        w.bind_connector_metadata(out.kv_connector_metadata)
-        w.start_load_kv(None)
-        for name in self.caches:
-            w.wait_for_layer_load(name)
-        w.wait_for_save()
-        results = w.get_transfer_results(out.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
+        kv_out = worker_output(self.worker, out, layers=self.caches)
         req_ids = list(out.num_scheduled_tokens)
         for rid, n in out.num_scheduled_tokens.items():
             self.scheduled.setdefault(rid, []).append(n)
-        kv_out = KVConnectorOutput(finished_recving=results.finished_recving or None, invalid_block_ids=invalid)
         if not req_ids and kv_out.is_empty():
             return out   # vLLM's executor returns an empty output: update_from_output sees nothing new
         self.scheduler.update_from_output(out, ModelRunnerOutput(
