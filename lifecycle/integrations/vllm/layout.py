@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lifecycle.integrations.vllm.errors import VllmLayoutError
+from transfer.gather import page_runs
 from transfer.host_pool import HostPool
 
 ROWS, CHANNELS = "rows", "channels"
@@ -258,12 +259,9 @@ class VllmKVLayout:
         the pool's buffer (one gather per layer per run of consecutive host pages). With
         ``non_blocking`` (KV on CUDA, a pinned pool, on the copy stream) returns the temporaries to
         keep alive until the copy has ended."""
-        ids, pages = self._ids(block_ids), [int(p) for p in host_pages]
-        self._check_host(host, ids, pages)
-        buf = host.buffer.view(self.word)
         keep = []
-        for pos, first, n in _runs(pages):
-            keep += self._gather(ids[pos:pos + n], buf[first:first + n], non_blocking)
+        for ids, pages in self._host_runs(block_ids, host, host_pages):
+            keep += self._gather(ids, pages, non_blocking)
         return keep
 
     def write_pages(self, block_ids: Sequence[int], pages) -> None:
@@ -295,12 +293,9 @@ class VllmKVLayout:
                   non_blocking: bool = False) -> list:
         """Copy ``host``'s pages ``host_pages`` into blocks ``block_ids`` (same count); returns what
         a ``non_blocking`` copy reads (see ``to_host``)."""
-        ids, pages = self._ids(block_ids), [int(p) for p in host_pages]
-        self._check_host(host, ids, pages)
-        buf = host.buffer.view(self.word)
         keep = []
-        for pos, first, n in _runs(pages):
-            keep += self._scatter(ids[pos:pos + n], buf[first:first + n], non_blocking)
+        for ids, pages in self._host_runs(block_ids, host, host_pages):
+            keep += self._scatter(ids, pages, non_blocking)
         return keep
 
     def _scatter(self, ids: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> list:
@@ -314,6 +309,14 @@ class VllmKVLayout:
             sem.index_copy_(0, dev, block)
             keep.append(block)
         return keep
+
+    def _host_runs(self, block_ids, host: HostPool, host_pages) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``block_ids`` paired with ``host``'s pages ``host_pages`` (checked), one ``(block ids, host
+        pages' words)`` per run of consecutive host pages."""
+        ids, pages = self._ids(block_ids), [int(p) for p in host_pages]
+        self._check_host(host, ids, pages)
+        buf = host.buffer.view(self.word)
+        return [(ids[pos:pos + n], buf[first:first + n]) for pos, first, n in page_runs(pages)]
 
     def _check_host(self, host: HostPool, ids: torch.Tensor, pages: list[int]) -> None:
         want = (2, self.block_size, self.layers, self.heads, self.head_dim)
@@ -330,16 +333,6 @@ class VllmKVLayout:
         return {"layers": self.layers, "kv_heads": self.heads, "head_dim": self.head_dim,
                 "dtype": str(self.dtype).replace("torch.", ""), "block_size": self.block_size,
                 "kernel_block_tokens": self.kernel_tokens, "blocks": self.num_blocks, "kv_split": self.kv_split}
-
-
-def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """``(position, first page, length)`` of each run of consecutive page ids."""
-    runs, pos = [], 0
-    for i in range(1, len(pages) + 1):
-        if i == len(pages) or pages[i] != pages[i - 1] + 1:
-            runs.append((pos, pages[pos], i - pos))
-            pos = i
-    return runs
 
 
 __all__ = ["BACKEND_SPLIT", "CHANNELS", "KV_SPLITS", "PLAIN_DTYPES", "ROWS", "VllmKVLayout", "layer_index"]
