@@ -234,17 +234,46 @@ class _Observer:
 
 class Updater:
     """Calls ``metrics.update(take())`` at most every ``interval_s`` seconds (``tick``), and always
-    on ``flush``: for a scheduler loop that should not take the stats every iteration."""
+    on ``flush``: for a scheduler loop that should not take the stats every iteration. ``source``
+    and ``labels`` go to every ``Metrics.update`` (several managers sharing one ``Metrics``)."""
 
-    def __init__(self, metrics: Metrics, take, interval_s: float = 0.25, clock=time.monotonic) -> None:
+    def __init__(self, metrics: Metrics, take, interval_s: float = 0.25, clock=time.monotonic, *,
+                 source: object = None, labels: dict[str, str] | None = None) -> None:
         self.metrics, self.take, self.interval_s, self._clock = metrics, take, interval_s, clock
+        self._source, self._labels = source, labels
         self._next = float("-inf")
 
     def tick(self) -> None:
         now = self._clock()
         if now >= self._next:
             self._next = now + self.interval_s
-            self.metrics.update(self.take())
+            self.flush()
 
     def flush(self) -> None:
-        self.metrics.update(self.take())
+        self.metrics.update(self.take(), source=self._source, labels=self._labels)
+
+
+_process_lock = threading.Lock()
+_process_metrics: Metrics | None = None
+
+
+def process_metrics(label_names: tuple[str, ...]) -> Metrics:
+    """The process's one ``Metrics`` on ``prometheus_client``'s default registry (made on first
+    use: the registry takes each metric name once per process), with constant labels
+    ``label_names`` whose values each ``update`` gives: what an engine integration serves on the
+    engine's own ``/metrics`` (SGLang's ``--enable-metrics``, vLLM's).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed.
+        ValueError: this process's metrics were made with other label names.
+    """
+    global _process_metrics
+    with _process_lock:
+        if _process_metrics is None:
+            import prometheus_client
+
+            _process_metrics = Metrics(prometheus_client.REGISTRY, labels=dict.fromkeys(label_names, ""))
+        elif tuple(_process_metrics._const) != tuple(label_names):
+            raise ValueError(f"this process's kv_lifecycle metrics have the labels {tuple(_process_metrics._const)}, "
+                             f"not {tuple(label_names)}")
+        return _process_metrics

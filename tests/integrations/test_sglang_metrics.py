@@ -13,6 +13,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, multiprocess
 from prometheus_client.exposition import generate_latest
 
+from lifecycle import metrics as lifecycle_metrics
 from lifecycle.integrations.sglang import metrics as sglang_metrics
 from lifecycle_tools.testkit.sglang_doubles import runtime_context
 
@@ -79,7 +80,7 @@ def registry(monkeypatch, tmp_path):
     process metrics created yet."""
     reg = CollectorRegistry()
     monkeypatch.setattr(prometheus_client, "REGISTRY", reg)
-    monkeypatch.setattr(sglang_metrics, "_process_metrics", None)
+    monkeypatch.setattr(lifecycle_metrics, "_process_metrics", None)
     monkeypatch.setenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", str(tmp_path / "hicache"))
     monkeypatch.delenv("SGLANG_HICACHE_DECODE_OFFLOAD_STRIDE", raising=False)
     return reg
@@ -183,8 +184,7 @@ def test_tick_refreshes_once_update_s_has_passed_or_when_forced(registry, monkey
     node = Node(doubles_kit(), page_size=4)
     mgr = _manager(node, pp_rank=0)
     hook, clock, updates = mgr.metrics, [100.0], []
-    monkeypatch.setattr(sglang_metrics, "time", SimpleNamespace(monotonic=lambda: clock[0],
-                                                                perf_counter=time.perf_counter))
+    monkeypatch.setattr(hook._updater, "_clock", lambda: clock[0])   # the hook's throttle (lifecycle.metrics.Updater)
     monkeypatch.setattr(hook.metrics, "update", lambda stats, source=None, labels=None: updates.append(labels))
     hook.tick()
     assert len(updates) == 1                  # the first one refreshes

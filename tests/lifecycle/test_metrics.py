@@ -479,3 +479,37 @@ def test_the_updater_by_default_takes_the_stats_at_most_every_quarter_second():
         now[0] = t
         up.tick()
     assert taken == [-1e9, 0.0, 0.25, 0.5]
+
+
+def test_the_process_metrics_are_made_once_and_refused_under_other_label_names(monkeypatch):
+    """``process_metrics``: one ``Metrics`` per process on the default registry (an engine
+    integration's); asked again, the same one; asked with other constant labels, a ValueError and
+    nothing registered again."""
+    import prometheus_client
+
+    from lifecycle import metrics as lifecycle_metrics
+
+    reg = prometheus_client.CollectorRegistry()
+    monkeypatch.setattr(prometheus_client, "REGISTRY", reg)
+    monkeypatch.setattr(lifecycle_metrics, "_process_metrics", None)
+    first = lifecycle_metrics.process_metrics(("role", "tp_rank"))
+    assert lifecycle_metrics.process_metrics(("role", "tp_rank")) is first
+    with pytest.raises(ValueError, match=r"labels \('role', 'tp_rank'\), not \('tp_rank', 'pp_rank'\)"):
+        lifecycle_metrics.process_metrics(("tp_rank", "pp_rank"))
+    assert lifecycle_metrics.process_metrics(("role", "tp_rank")) is first
+
+
+def test_the_updater_passes_its_source_and_labels_to_every_update():
+    seen = []
+
+    class Recording:
+        def update(self, stats, source=None, labels=None):
+            seen.append((stats, source, labels))
+
+    now = [0.0]
+    up = Updater(Recording(), lambda: "stats", interval_s=1.0, clock=lambda: now[0], source="src",
+                 labels={"tp_rank": "3"})
+    up.tick()
+    up.tick()            # within the interval: nothing
+    up.flush()
+    assert seen == [("stats", "src", {"tp_rank": "3"})] * 2

@@ -11,30 +11,17 @@ created once per scheduler process, refreshed from the manager's ``NodeStats`` a
 
 from __future__ import annotations
 
-import threading
 import time
 
+from lifecycle.metrics import Updater, process_metrics
+
 UPDATE_S = 1.0
-_lock = threading.Lock()
-_process_metrics = None   # one lifecycle.metrics.Metrics per process, on the default registry
 
 
 def enabled(context) -> bool:
     """Whether SGLang's runtime context has ``--enable-metrics`` on (``get_observability()``)."""
     get = getattr(context, "get_observability", None)
     return bool(callable(get) and getattr(get(), "enable_metrics", False) is True)
-
-
-def _metrics():
-    global _process_metrics
-    with _lock:
-        if _process_metrics is None:
-            import prometheus_client
-
-            from lifecycle.metrics import Metrics
-
-            _process_metrics = Metrics(prometheus_client.REGISTRY, labels={"tp_rank": "", "pp_rank": ""})
-        return _process_metrics
 
 
 class MetricsHook:
@@ -44,12 +31,13 @@ class MetricsHook:
     def __init__(self, wrapper, tp_rank: int, pp_rank: int) -> None:
         from lifecycle.node_stats import collect, tier_name
 
-        self.metrics = m = _metrics()
+        self.metrics = m = process_metrics(("tp_rank", "pp_rank"))
         self.labels = {"tp_rank": str(tp_rank), "pp_rank": str(pp_rank)}
-        self._take = lambda: collect(wrapper.manager, offloader=wrapper.offloader, storage=wrapper.storage)
+        take = lambda: collect(wrapper.manager, offloader=wrapper.offloader, storage=wrapper.storage)  # noqa: E731
+        self._updater = Updater(m, take, UPDATE_S, source=self, labels=self.labels)
         wrapper.offloader.observer = m.observer(tier_name(wrapper.storage), self.labels)
         self._step = m.step_time.labels(**self.labels)
-        self._spent, self._next = 0.0, float("-inf")
+        self._spent = 0.0
 
     def timed(self, fn, ends_step: bool = False):
         """``fn`` with its time added to the current step (``ends_step``: it closes the step)."""
@@ -66,11 +54,12 @@ class MetricsHook:
         return call
 
     def tick(self, force: bool = False) -> None:
-        """Refresh the counters and gauges from the manager's stats (at most every ``UPDATE_S``)."""
-        now = time.monotonic()
-        if force or now >= self._next:
-            self._next = now + UPDATE_S
-            self.metrics.update(self._take(), source=self, labels=self.labels)
+        """Refresh the counters and gauges from the manager's stats (at most every ``UPDATE_S``;
+        ``force``: now)."""
+        if force:
+            self._updater.flush()
+        else:
+            self._updater.tick()
 
 
 def hook(wrapper, context, tp_rank: int, pp_rank: int):

@@ -12,29 +12,9 @@ Refreshed at most every ``UPDATE_S`` from the connector's per-step calls, and at
 
 from __future__ import annotations
 
-import threading
-import time
+from lifecycle.metrics import Updater, process_metrics
 
 UPDATE_S = 1.0
-_lock = threading.Lock()
-_process_metrics = None
-
-
-def process_metrics():
-    """The process's ``Metrics`` on the default registry (made on first use).
-
-    Raises:
-        ImportError: ``prometheus_client`` is missing (``pip install 'kv-lifecycle[metrics]'``).
-    """
-    global _process_metrics
-    with _lock:
-        if _process_metrics is None:
-            import prometheus_client
-
-            from lifecycle.metrics import Metrics
-
-            _process_metrics = Metrics(prometheus_client.REGISTRY, labels={"role": "", "tp_rank": ""})
-        return _process_metrics
 
 
 class ConnectorMetrics:
@@ -42,18 +22,17 @@ class ConnectorMetrics:
     most every ``UPDATE_S`` (``force``: now)."""
 
     def __init__(self, role: str, tp_rank: str, take, offloader=None, tier: str | None = None) -> None:
-        self.metrics = process_metrics()
+        self.metrics = process_metrics(("role", "tp_rank"))
         self.labels = {"role": role, "tp_rank": tp_rank}
-        self._take = take
-        self._next = float("-inf")
+        self._updater = Updater(self.metrics, take, UPDATE_S, source=self, labels=self.labels)
         if offloader is not None:
             offloader.observer = self.metrics.observer(tier or "none", self.labels)
 
     def tick(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or now >= self._next:
-            self._next = now + UPDATE_S
-            self.metrics.update(self._take(), source=self, labels=self.labels)
+        if force:
+            self._updater.flush()
+        else:
+            self._updater.tick()
 
 
 def scheduler_metrics(store) -> ConnectorMetrics:
