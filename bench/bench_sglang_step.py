@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from bench.perfkit import (  # noqa: E402
     clock_overhead_ns, fmt, load_line, machine, parse_configs, percentile, ratio_text, ratios, schedule, summarize,
 )
+from lifecycle_tools.testkit.sglang_doubles import grow_row  # noqa: E402
 
 SGLANG = "sglang"
 DROPIN = "drop-in"
@@ -277,17 +278,8 @@ class Run:
     def _grow(self, req, n_tokens: int) -> None:
         """Slots up to ``n_tokens`` as SGLang's paged allocator hands them out (a page at each page
         boundary), committed."""
-        kv, table, page = req.kv, self.table, self.page
-        row = kv.req_pool_idx
-        for pos in range(kv.kv_allocated_len, n_tokens):
-            if pos % page == 0:
-                slots = self.alloc.alloc(page)
-                assert slots is not None, "device pool exhausted"
-                table[row, pos] = int(slots[0])
-            else:
-                table[row, pos] = int(table[row, pos - 1]) + 1
-        kv.kv_allocated_len = max(kv.kv_allocated_len, n_tokens)
-        kv.kv_committed_len = n_tokens
+        grow_row(self.table, self.alloc, req.kv, n_tokens, self.page)
+        req.kv.kv_committed_len = n_tokens
 
     def _decode(self, req) -> None:
         """One forward step of ``req``: its next position's slot, then a sampled token."""

@@ -263,3 +263,20 @@ def runtime_context(*, page_size: int = 16, backend: str | None = "file", model:
     parallel = SimpleNamespace(pp_rank=pp_rank, pp_size=pp_size, dcp_enabled=dcp_enabled)
     return SimpleNamespace(get_schedule=lambda: schedule, get_memory=lambda: memory,
                            get_serving=lambda: serving, get_parallel=lambda: parallel, sglang_version="0.5.19")
+
+
+def grow_row(table, alloc, kv, n_tokens: int, page: int) -> None:
+    """Slots for ``kv``'s row (``table[kv.req_pool_idx]``) at positions up to ``n_tokens``, as
+    SGLang's paged allocator hands them out: a new page (``alloc.alloc(page)``) at each page
+    boundary, else the next slot of the last page; ``kv.kv_allocated_len`` grows to ``n_tokens``
+    (never shrinks). The KV and ``kv_committed_len`` are the caller's."""
+    row = kv.req_pool_idx
+    for pos in range(kv.kv_allocated_len, n_tokens):
+        if pos % page == 0:
+            slots = alloc.alloc(page)
+            assert slots is not None, "device pool exhausted"
+            table[row, pos] = int(slots[0])
+        else:
+            table[row, pos] = int(table[row, pos - 1]) + 1
+    kv.kv_allocated_len = max(kv.kv_allocated_len, n_tokens)
+

@@ -114,16 +114,9 @@ class Node:
         """Slots for positions up to ``n_tokens`` as SGLang's paged allocator hands them out (a
         new page at each page boundary, else the next slot of the last page; ``kv_allocated_len``
         counts tokens), then their KV."""
-        kv, table, ps = req.kv, self.pool.req_to_token, self.ps
+        kv, table = req.kv, self.pool.req_to_token
         row = kv.req_pool_idx
-        for pos in range(kv.kv_allocated_len, n_tokens):
-            if pos % ps == 0:
-                page = self.alloc.alloc(ps)
-                assert page is not None, "device pool exhausted"
-                table[row, pos] = int(page[0])
-            else:
-                table[row, pos] = int(table[row, pos - 1]) + 1
-        kv.kv_allocated_len = max(kv.kv_allocated_len, n_tokens)
+        sglang_doubles.grow_row(table, self.alloc, kv, n_tokens, self.ps)
         loc = table[row, kv.kv_committed_len:n_tokens].long()
         values = self.expected[req.rid][kv.kv_committed_len:n_tokens].to(loc.device)
         store = self.kv.store_dtype  # fp8 is stored as uint8: set_kv_buffer writes a bit view
