@@ -70,9 +70,11 @@ def line(item: str, verdict: str, detail: str) -> None:
     print(f"gpu_check | {item:<16} | {verdict:<4} | {detail}", flush=True)
 
 
-def _pytest(args: list[str], timeout: int) -> tuple[int, str]:
+def _pytest(args: list[str], timeout: int, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run pytest on ``args`` in a child (``env``: variables added to this process's), at most
+    ``timeout`` s. Returns its exit code and output."""
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "-rs", *args]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -85,28 +87,27 @@ def _counts(text: str) -> dict[str, int]:
     return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", tail)}
 
 
-def cuda_tests(timeout: int) -> bool:
-    rc, out = _pytest(["tests", "-k", "cuda and not without_cuda"], timeout)
+def _pytest_item(item: str, rc: int, out: str, note: str, need_passed: bool = True) -> bool:
+    """An item that is a pytest run: PASS when it exited 0 with nothing failed or skipped (and, with
+    ``need_passed``, something passed); its line; on a FAIL the run's last lines on stderr."""
     c = _counts(out)
-    ok = rc == 0 and c.get("passed", 0) > 0 and not c.get("skipped") and not c.get("failed")
-    line("cuda tests", "PASS" if ok else "FAIL",
-         f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped (rc {rc})")
+    ok = rc == 0 and (c.get("passed", 0) > 0 or not need_passed) and not c.get("skipped") and not c.get("failed")
+    line(item, "PASS" if ok else "FAIL",
+         f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped {note}")
     if not ok:
         print(out[-4000:], file=sys.stderr)
     return ok
+
+
+def cuda_tests(timeout: int) -> bool:
+    rc, out = _pytest(["tests", "-k", "cuda and not without_cuda"], timeout)
+    return _pytest_item("cuda tests", rc, out, f"(rc {rc})")
 
 
 def sync_suite(timeout: int) -> bool:
     rc, out = _pytest(["tests/integrations/test_sglang_no_sync.py", "tests/transfer/test_device_indices.py",
                        "tests/transfer/test_gather_staged.py"], timeout)
-    c = _counts(out)
-    ok = rc == 0 and not c.get("skipped") and not c.get("failed")
-    line("sync-debug suite", "PASS" if ok else "FAIL",
-         f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped "
-         f"(stand-in + set_sync_debug_mode('error'))")
-    if not ok:
-        print(out[-4000:], file=sys.stderr)
-    return ok
+    return _pytest_item("sync-debug suite", rc, out, "(stand-in + set_sync_debug_mode('error'))", need_passed=False)
 
 
 def round_trip() -> bool:
@@ -581,23 +582,9 @@ def vllm_engine(timeout: int) -> bool | None:
     except Exception as err:  # noqa: BLE001 - any import failure: not installed here
         line("vllm engine", "SKIP", f"vLLM does not import ({type(err).__name__}): pip install vllm==0.32.0 to check it")
         return None
-    env_before = os.environ.get("KV_LIFECYCLE_REQUIRE_VLLM")
-    os.environ["KV_LIFECYCLE_REQUIRE_VLLM"] = "1"   # a skip inside is a failure here
-    try:
-        rc, out = _pytest(["tests/integrations/vllm/test_llm.py"], timeout)
-    finally:
-        if env_before is None:
-            os.environ.pop("KV_LIFECYCLE_REQUIRE_VLLM", None)
-        else:
-            os.environ["KV_LIFECYCLE_REQUIRE_VLLM"] = env_before
-    c = _counts(out)
-    ok = rc == 0 and c.get("passed", 0) > 0 and not c.get("skipped") and not c.get("failed")
-    line("vllm engine", "PASS" if ok else "FAIL",
-         f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped "
-         f"(LLM(load_format='dummy') with the connector, sync and async scheduling)")
-    if not ok:
-        print(out[-4000:], file=sys.stderr)
-    return ok
+    rc, out = _pytest(["tests/integrations/vllm/test_llm.py"], timeout,
+                      env={"KV_LIFECYCLE_REQUIRE_VLLM": "1"})   # a skip inside is a failure here
+    return _pytest_item("vllm engine", rc, out, "(LLM(load_format='dummy') with the connector, sync and async scheduling)")
 
 
 def main() -> int:

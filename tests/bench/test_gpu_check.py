@@ -94,8 +94,8 @@ def test_the_vllm_item_fails_on_a_skipped_or_failed_engine_run(monkeypatch, caps
     monkeypatch.setitem(sys.modules, "vllm", sys.modules.get("json"))   # importable: the run is asked for
     seen = {}
 
-    def fake(args, timeout):
-        seen["args"], seen["require"] = args, os.environ.get("KV_LIFECYCLE_REQUIRE_VLLM")
+    def fake(args, timeout, env=None):
+        seen["args"], seen["require"] = args, (env or {}).get("KV_LIFECYCLE_REQUIRE_VLLM")
         return fake.result
 
     monkeypatch.setattr(gpu_check, "_pytest", fake)
