@@ -12,11 +12,13 @@ from tests.support.transfer_helpers import drain, polls
 PS = 4
 
 
-def make(host_tokens=32, engine=None):
+def make(host_tokens=32, engine=None, **offloader_kwargs):
+    """An offloader over a small KV pool, host pool and memory tier (``offloader_kwargs``: e.g.
+    ``write_timeout_s``, ``clock``); returns ``(offloader, kv, host, store)``."""
     kv = KVPool(2, 2, 8, torch.bfloat16, 64)
     host = HostPool(2, 2, 8, torch.bfloat16, PS, host_tokens)
     store = MemoryStorage("_m_0_1", host.page_nbytes)
-    return HostOffloader(kv, host, store, copy_engine=engine), kv, host, store
+    return HostOffloader(kv, host, store, copy_engine=engine, **offloader_kwargs), kv, host, store
 
 
 def test_is_an_offloader():
@@ -448,10 +450,7 @@ def test_discarded_copy_does_not_taint_other_copies_and_counts_once():
 def test_expired_copies_are_counted_logged_and_their_ack_ids_reusable():
     clock = FakeClock()
     eng = Gated(threads=1)
-    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
-    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
-    off = HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), copy_engine=eng,
-                        write_timeout_s=5.0, clock=clock)
+    off, kv, host, _ = make(engine=eng, write_timeout_s=5.0, clock=clock)
     eng.hold |= {1, 2}
     eng.fail.add(2)
     with capture_logs() as logs:
@@ -724,10 +723,7 @@ def test_a_discarded_copy_that_lands_stores_and_announces_nothing(how, polled, w
     clock = FakeClock()
     eng = Gated(threads=1)
     eng.hold.add(1)
-    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
-    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
-    store = MemoryStorage("_m_0_1", host.page_nbytes)
-    off = HostOffloader(kv, host, store, copy_engine=eng, write_timeout_s=5.0, clock=clock)
+    off, kv, host, store = make(engine=eng, write_timeout_s=5.0, clock=clock)
     kv.write(torch.arange(8, 24), synthetic_kv(kv, 3, torch.arange(16)))
     pub = Publisher()
     off.events, store.events = HostAnnouncer(pub, PS), TierAnnouncer(pub, "EXTERNAL", PS)
@@ -774,10 +770,7 @@ def test_one_poll_reports_landed_failed_and_expired_in_a_typed_report():
 
     clock = FakeClock()
     eng = Gated(threads=1)
-    kv = KVPool(2, 2, 8, torch.bfloat16, 64)
-    host = HostPool(2, 2, 8, torch.bfloat16, PS, 32)
-    off = HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), copy_engine=eng,
-                        write_timeout_s=5.0, clock=clock)
+    off, kv, host, _ = make(engine=eng, write_timeout_s=5.0, clock=clock)
     assert off.finished_writes() is EMPTY_REPORT
     eng.hold |= {1, 2}
     eng.fail.add(2)

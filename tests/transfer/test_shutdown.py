@@ -174,14 +174,12 @@ def test_stack_close_takes_a_timeout_and_reports_a_stuck_copy():
         stack.close(timeout=-1)
 
 
-def test_stack_close_is_bounded_through_a_file_write_hung_in_the_filesystem(tmp_path, monkeypatch):
-    """reliability.md: ``TransferStack.close(timeout)`` bounds the whole shutdown wait. A file-store
-    write blocked in the kernel (a FIFO with no reader) is abandoned and named in the report."""
+def storage_op_with_a_hung_page_write(off, store, monkeypatch):
+    """Copy ack 1 (two pages) lands, then its storage op starts on the file tier ``store`` with the
+    second page's write blocked in the kernel (``hung_fs.HungWrite``, a FIFO with no reader).
+    Returns ``(host indices, page names, op id, the HungWrite)``."""
     from tests.support.hung_fs import HungWrite
 
-    stack = build_stack(2, 2, 8, torch.bfloat16, PS, device_tokens=64, host_tokens=32, rows=4, max_len=64,
-                        storage=f"file:{tmp_path / 'store'}")
-    off, store = stack.offloader, stack.storage
     tokens = list(range(1, 2 * PS + 1))
     keys = hashing.page_hashes(tokens, PS)
     hung = HungWrite(store, keys[1] + store.suffix, monkeypatch)
@@ -189,6 +187,16 @@ def test_stack_close_is_bounded_through_a_file_write_hung_in_the_filesystem(tmp_
     assert drain(polls(off).ended, 1) == [1]
     op = off.write_storage(h, tokens, keys)  # two pages: written by the store's writer threads
     hung.wait_stuck()
+    return h, keys, op, hung
+
+
+def test_stack_close_is_bounded_through_a_file_write_hung_in_the_filesystem(tmp_path, monkeypatch):
+    """reliability.md: ``TransferStack.close(timeout)`` bounds the whole shutdown wait. A file-store
+    write blocked in the kernel (a FIFO with no reader) is abandoned and named in the report."""
+    stack = build_stack(2, 2, 8, torch.bfloat16, PS, device_tokens=64, host_tokens=32, rows=4, max_len=64,
+                        storage=f"file:{tmp_path / 'store'}")
+    off, store = stack.offloader, stack.storage
+    h, keys, op, hung = storage_op_with_a_hung_page_write(off, store, monkeypatch)
     report = bounded(lambda: stack.close(timeout=0.2))
     assert not report.clean and report.abandoned_storage == [op]
     assert report.abandoned_pages == [keys[1] + store.suffix] and "storage page writes" in report.reason
@@ -307,21 +315,13 @@ def test_stack_close_with_a_stuck_copy_and_a_file_write_hung_in_the_filesystem_r
     and a real file-tier page write blocked in the kernel (a FIFO with no reader, ``hung_fs``) at
     once: the offloader's close, the prefix loader's and the tier's share the one deadline; the
     copy, the storage op and the page write are named in the report."""
-    from tests.support.hung_fs import HungWrite
-
     stack = build_stack(2, 2, 8, torch.bfloat16, PS, device_tokens=64, host_tokens=32, rows=4, max_len=64,
                         storage=f"file:{tmp_path / 'store'}")
     eng = StuckEngine(threads=1)
     stack.offloader.engine.close()
     stack.offloader.engine = eng
     off, store = stack.offloader, stack.storage
-    tokens = list(range(1, 2 * PS + 1))
-    keys = hashing.page_hashes(tokens, PS)
-    hung = HungWrite(store, keys[1] + store.suffix, monkeypatch)
-    h = off.write(torch.arange(8, 8 + 2 * PS), 1)
-    assert drain(polls(off).ended, 1) == [1]
-    op = off.write_storage(h, tokens, keys)
-    hung.wait_stuck()
+    _, keys, op, hung = storage_op_with_a_hung_page_write(off, store, monkeypatch)
     eng.stuck.add(2)
     off.write(torch.arange(24, 28), 2)
     drain(lambda: [1] if 2 in eng.started else [], 1)
