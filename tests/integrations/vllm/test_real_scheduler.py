@@ -109,17 +109,32 @@ def test_finish_on_a_block_boundary_stores_the_last_page_at_finish_and_delays_th
 @pytest.mark.parametrize("layout,kernel", [("LBHNC", None), ("LBNHC", None), ("LBHNC", 16), ("LBNHC", 16)],
                          ids=["cpu-rows", "fa-channels", "cpu-kernel-blocks", "fa-kernel-blocks"])
 def test_many_requests_with_aborts_and_preemptions_mid_copy(tmp_path, layout, kernel):
-    """A pool too small for the batch (vLLM preempts), copies held on the copy thread for two steps
-    (still reading when requests finish or are preempted), aborts mid-decode and while waiting."""
+    """A pool too small for the batch (vLLM preempts), copies held on the copy thread for six steps
+    (still reading when requests finish or are preempted), aborts mid-decode and while waiting.
+
+    Whether a preempted request still has a copy in flight depends on when the copy threads end
+    their copies (delayed frees change which requests vLLM preempts), so a round that happened to
+    preempt none mid-copy is followed by another with other output lengths (at most five), until
+    one did: every round is checked in full; the fence must have been met in one of them."""
+    for attempt in range(5):
+        if _preemption_round(tmp_path / f"round{attempt}", layout, kernel, attempt) > 0:
+            return
+    pytest.fail("no preemption found a copy in flight to fence, in five rounds")
+
+
+def _preemption_round(tmp_path, layout, kernel, attempt: int) -> int:
+    """One round of the scenario above, every invariant asserted; returns the fences rank 0 made."""
     from lifecycle_tools.testkit.vllm_engine import GatedEngine
 
+    tmp_path.mkdir()
     steps = {"n": 0}
     block = 32 if kernel else BS
     rig = _rig(tmp_path, block_size=block, kernel_block=kernel, num_blocks=28 if not kernel else 10,
                layout=layout, max_num_seqs=8, engine=GatedEngine(lambda: steps["n"], hold_steps=6))
     bs = block
     try:
-        specs = {f"r{i}": ((i * 7) % 37 + 3 + (bs if i % 3 == 0 else 0), 20 + (i * 13) % 45) for i in range(14)}
+        specs = {f"r{i}": ((i * 7) % 37 + 3 + (bs if i % 3 == 0 else 0), 20 + (i * 13 + 11 * attempt) % 45)
+                 for i in range(14)}
         specs["boundary"] = (bs, bs + 1)      # 2*bs tokens with KV at finish: ends on a block boundary
         for rid, (n, out) in specs.items():
             rig.add(rid, [5 + (j * 17 + sum(map(ord, rid))) % 700 for j in range(n)], out)
@@ -138,8 +153,6 @@ def test_many_requests_with_aborts_and_preemptions_mid_copy(tmp_path, layout, ke
         rig.check_pool_clean()
         preempted = [rid for rid, r in rig.requests.items() if r.num_preemptions]
         assert preempted, "the pool was meant to force preemptions"
-        worker = rig.workers[0].worker
-        assert worker.fences > 0, "no preemption found a copy in flight to fence"
         for rid in specs:
             if rid not in aborted:
                 _check_complete(rig, rid)
@@ -147,6 +160,7 @@ def test_many_requests_with_aborts_and_preemptions_mid_copy(tmp_path, layout, ke
         stats = rig.connector.store.stats()
         assert stats.leaked == 0 and stats.tracked == 0 and stats.host_short == 0
         assert rig.connector.store.refused == 0
+        return rig.workers[0].worker.fences
     finally:
         rig.close()
 
