@@ -24,7 +24,7 @@ import torch
 
 from transfer.errors import BadIndices
 from transfer.host_pool import HostPool
-from transfer.indices import as_index_tensor, pages_of_slots
+from transfer.indices import as_index_tensor, as_tensor, pages_of_slots
 from transfer.kv_pool import KVPool
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -333,6 +333,7 @@ class ChunkCopy:
     def __init__(self, kv: KVPool, host: HostPool, slots: torch.Tensor, host_pages: torch.Tensor,
                  check_end: int | None = None, staging: Staging | None = None):
         self.kv, self.host = kv, host
+        slots, host_pages = as_tensor(slots), as_tensor(host_pages)  # NumPy ids from the scheduler thread
         self.slots, self.host_pages = slots, host_pages
         self.views = pair_views(kv, host)
         self.rows_per_page = kv.kinds * host.page_size * kv.layers

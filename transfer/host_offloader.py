@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import msgspec
+import numpy as np
 import torch
 
 from transfer.copy_engine import CopyEngine, make_copy_engine
@@ -38,7 +39,7 @@ from transfer.errors import (
     BadIndices, Closed, HostPagesBusy, NotAllocated, StorageError, TransferError, UnknownId,
 )
 from transfer.host_pool import HostPool
-from transfer.indices import as_index_tensor, check_device_indices, on_host, pages_of_slots, slots_of_pages
+from transfer.indices import as_index_tensor, check_device_indices, count_pages, on_host, slots_of_pages
 from transfer.kv_pool import KVPool
 from transfer.log import RateLimitedLog, get_logger
 from transfer.offloader import EMPTY_REPORT, WriteReport
@@ -133,7 +134,7 @@ class HostOffloader:
             check_pool(kv_pool)  # DeviceMismatch before any worker starts
         self.engine = engine
         self._storage_worker = BackgroundWorker("kv-storage", storage_threads)
-        self._writes: dict[int, tuple[list[int], torch.Tensor]] = {}  # ack -> (host pages, slots)
+        self._writes: dict[int, tuple[list[int], torch.Tensor | np.ndarray]] = {}  # ack -> (host pages, slots)
         self._deadlines: dict[int, float] = {}  # ack -> expiry time, for copies not yet expired
         self._expired_acks: set[int] = set()  # expired (discarded ones included), copy not yet ended
         self._discarded: set[int] = set()  # discarded, not yet reported expired
@@ -144,6 +145,11 @@ class HostOffloader:
         self._landing: set[int] = set()  # host pages a copy is writing
         self._busy: dict[int, int] = {}  # host page -> storage ops reading it
         self._poisoned: set[int] = set()  # host pages holding a failed or expired copy
+        # the host indices ``write`` returned, while their pages are held: id -> (the tensor, its
+        # version then, its pages), and host page -> that id. ``write_storage`` and ``free_host`` of
+        # such a tensor, unchanged since, read its pages from here instead of from its values.
+        self._issued: dict[int, tuple[torch.Tensor, int, list[int]]] = {}
+        self._issued_page: dict[int, int] = {}
         self._stats = OffloaderStats()
         self._bp_interval = backpressure_log_interval_s
         self._oplog = RateLimitedLog(log, clock=clock)   # per-op failures: one line per event per interval
@@ -182,7 +188,7 @@ class HostOffloader:
         else:
             slots = as_index_tensor(device_indices, "device indices")
             view = slots.numpy()
-            n_pages = pages_of_slots(view, self.page_size, "device indices", self.kv.slots).shape[0]
+            n_pages = count_pages(view, self.page_size, "device indices", self.kv.slots)
         if n_pages == 0:
             raise BadIndices("a write needs at least one page")
         pages = self.host.alloc_pages(n_pages)
@@ -196,10 +202,10 @@ class HostOffloader:
         if on_device:  # a device-side copy; the values (whole aligned pages in the pool) are checked
             # where the copy runs: a bad chunk fails its copy (reported failed, nothing stored)
             slots, check = device_indices.to(torch.int64, copy=True), {"check_end": self.kv.slots}
-        else:
-            slots, check = (torch.from_numpy(view.copy()) if slots is device_indices else slots), {}
+        else:  # NumPy ids: the copy plan wraps them on the copy worker, not on this thread
+            slots, check = (view.copy() if slots is device_indices else view), {}
         try:
-            self.engine.to_host(ack_id, self.kv, self.host, slots, torch.from_numpy(pages), **check)
+            self.engine.to_host(ack_id, self.kv, self.host, slots, pages, **check)
         except BaseException:
             self.host.free_pages(pages)  # nothing was enqueued: the pages go back, the ack is never reported
             raise
@@ -211,7 +217,21 @@ class HostOffloader:
         self._stats.writes += 1
         if self.observer is not None:
             self._submitted[ack_id] = time.perf_counter()
-        return slots_of_pages(pages, self.page_size, ascending=True)
+        out = slots_of_pages(pages, self.page_size, ascending=True)
+        key = id(out)
+        self._issued[key] = (out, out._version, host_pages)
+        issued_page = self._issued_page
+        for p in host_pages:
+            issued_page[p] = key
+        return out
+
+    def _issued_pages(self, host_indices) -> list[int] | None:
+        """The pages of host indices ``write`` returned and nobody changed since (their pages still
+        held), or None: any other tensor, whose values are read and checked."""
+        entry = self._issued.get(id(host_indices))
+        if entry is not None and entry[0] is host_indices and host_indices._version == entry[1]:
+            return entry[2]
+        return None
 
     def _rejected(self, ack_id: int, n_pages: int) -> None:
         """Count a write refused for want of host pages; warn at most once per interval."""
@@ -350,17 +370,22 @@ class HostOffloader:
         """
         if self._closed:
             raise Closed("offloader is closed")
-        pages = self.host.page_ids(host_indices)
-        n = pages.shape[0]
+        plist = self._issued_pages(host_indices)
+        if plist is None:
+            pages = self.host.page_ids(host_indices)
+            n = pages.shape[0]
+        else:
+            n = len(plist)
         if len(page_hashes) != n or len(tokens) != n * self.page_size:
             raise BadIndices(
                 f"{n} host pages, {len(page_hashes)} hashes, {len(tokens)} tokens (page size {self.page_size})"
             )
         if any(not isinstance(h, str) or not h for h in page_hashes):
             raise BadIndices("page hashes must be non-empty strings")
-        if n and not self.host.is_held(pages):
-            raise NotAllocated("host pages passed to write_storage are not allocated")
-        plist = pages.tolist()
+        if plist is None:
+            if n and not self.host.is_held(pages):
+                raise NotAllocated("host pages passed to write_storage are not allocated")
+            plist = pages.tolist()
         if not self._landing.isdisjoint(plist):
             raise TransferError("write_storage of host pages whose copy has not landed")
         op = next(self._op_ids)
@@ -443,11 +468,20 @@ class HostOffloader:
             BadIndices: not whole pages of the pool. HostPagesBusy: a copy or storage op still
             uses a page. DoubleFree / NotAllocated: pages not held. On any error nothing changes.
         """
-        pages = self.host.page_ids(host_indices)
-        plist = pages.tolist()
+        plist = self._issued_pages(host_indices)
+        if plist is None:
+            pages = self.host.page_ids(host_indices)
+            plist = pages.tolist()
+        else:
+            pages = np.array(plist, dtype=np.int64)
         if not (self._landing.isdisjoint(plist) and self._busy.keys().isdisjoint(plist)):
             raise HostPagesBusy("host pages are still used by an in-flight copy or storage op")
         self.host.free_pages(pages)
+        issued, issued_page = self._issued, self._issued_page
+        for p in plist:
+            key = issued_page.pop(p, None)
+            if key is not None:
+                issued.pop(key, None)
         if self._poisoned:
             self._poisoned.difference_update(plist)
         if self._host_named:
@@ -508,8 +542,8 @@ class HostOffloader:
         ids = [self._writes[t][1] for t in stuck]
         # slot ids on a device are never read here (a read waits for the device, which may be what
         # is stuck, and can raise): counted, not listed
-        dev = sorted({s for t in ids if on_host(t) for s in t.tolist()})
-        unread = sum(t.numel() for t in ids if not on_host(t))
+        dev = sorted({s for t in ids if isinstance(t, np.ndarray) or on_host(t) for s in t.tolist()})
+        unread = sum(t.numel() for t in ids if not isinstance(t, np.ndarray) and not on_host(t))
         busy = sorted({p for t in ops for p in self._ops[t]})
         on_dev = f" (and {unread} slot ids on the device, not read)" if unread else ""
         reason = (f"close timed out after {timeout}s: {len(stuck)} device->host copies and {len(ops)} "

@@ -24,6 +24,12 @@ def on_host(t: torch.Tensor) -> bool:
     return t.is_cpu and not (type(t) is not torch.Tensor and getattr(t, "device_resident", False))
 
 
+def as_tensor(ids) -> torch.Tensor:
+    """``ids`` as a tensor: a NumPy array wrapped (no copy), a tensor as it is. A copy plan takes
+    either, so the scheduler thread hands the copy worker NumPy ids and the wrapping is done there."""
+    return torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+
+
 def _check_int_1d(indices, what: str) -> None:
     """A 1-D tensor of an integer dtype, or ``BadIndices`` naming ``what`` (reads no values)."""
     if not isinstance(indices, torch.Tensor):
@@ -113,6 +119,29 @@ def pages_of_slots(a: np.ndarray, page_size: int, what: str = "indices", end: in
     if end is not None and (lo < 0 or hi >= end):
         raise BadIndices(f"{what} must lie in 0..{end - 1}")
     return pages
+
+
+_LIST_CHECK = 512  # slots: a chunk this short is checked as one Python list (one C call)
+
+
+def count_pages(a: np.ndarray, page_size: int, what: str = "indices", end: int | None = None) -> int:
+    """How many pages the slots ``a`` (1-D int64 numpy) hold, checked as ``pages_of_slots`` checks
+    them. A chunk of one run of consecutive slots up to ``_LIST_CHECK`` long (a decode chunk) is
+    checked as a Python list: one C call on the scheduler thread instead of several small numpy
+    ones, each of which costs more than the check itself when the caches are cold.
+
+    Raises:
+        BadIndices: as ``pages_of_slots``.
+    """
+    n = a.shape[0]
+    if 0 < n <= _LIST_CHECK and not n % page_size:
+        ids = a.tolist()
+        first = ids[0]
+        if not first % page_size and ids[-1] == first + n - 1 and ids == list(range(first, first + n)):
+            if end is not None and (first < 0 or first + n > end):
+                raise BadIndices(f"{what} must lie in 0..{end - 1}")
+            return n // page_size
+    return pages_of_slots(a, page_size, what, end).shape[0]
 
 
 def pages_of_aligned(indices: torch.Tensor, page_size: int, what: str = "indices") -> torch.Tensor:

@@ -793,3 +793,64 @@ def test_one_poll_reports_landed_failed_and_expired_in_a_typed_report():
     for h in hosts:
         off.free_host(h)
     off.close()
+
+
+# -- host indices ``write`` returned: their pages are remembered, not re-derived from the values --
+def _landed_chunk(off, kv, ack):
+    slots = torch.arange(8, 16)
+    kv.write(slots, synthetic_kv(kv, 1, torch.arange(8)))
+    h = off.write(slots, ack_id=ack)
+    assert drain(polls(off).ended, 1) == [ack]
+    return h
+
+
+def test_host_indices_changed_in_place_after_write_are_checked_by_their_values():
+    """An in-place change of the tensor ``write`` returned is seen (its version moved): the values
+    are checked as for any tensor, and nothing changes."""
+    off, kv, host, store = make()
+    h = _landed_chunk(off, kv, 1)
+    tokens, hashes = list(range(8)), hashing.page_hashes(list(range(8)), PS)
+    h.add_(1)  # no longer whole pages
+    free_before = host.available_size()
+    with pytest.raises(BadIndices):
+        off.write_storage(h, tokens, hashes)
+    with pytest.raises(BadIndices):
+        off.free_host(h)
+    assert host.available_size() == free_before and off.stats().storage_ops == 0
+    h.sub_(1)  # the same values again: still checked by value (version moved), and valid
+    op = off.write_storage(h, tokens, hashes)
+    assert drain(off.finished_storage, 1) == [op]
+    off.free_host(h)
+    assert host.available_size() == free_before + 8
+    off.close()
+
+
+def test_host_pages_freed_through_another_tensor_are_no_longer_known_by_the_first():
+    """Pages ``write`` handed out, freed through another tensor naming them (as the manager frees
+    several ops' pages in one call): the first tensor is then refused like any unheld pages."""
+    off, kv, host, store = make()
+    h = _landed_chunk(off, kv, 1)
+    off.free_host(h.clone())
+    with pytest.raises(NotAllocated):
+        off.write_storage(h, list(range(8)), hashing.page_hashes(list(range(8)), PS))
+    with pytest.raises(DoubleFree):
+        off.free_host(h)
+    assert off.stats().storage_ops == 0 and host.available_size() == 32
+    off.close()
+
+
+def test_host_pages_handed_out_again_are_freed_by_value_through_an_older_tensor():
+    """As before the pages were remembered: a tensor names pages by its values, so an older tensor
+    of pages handed out again frees them; the newer one then holds nothing."""
+    off, kv, host, store = make(host_tokens=8)  # two pages: the second write reuses them
+    h1 = _landed_chunk(off, kv, 1)
+    off.free_host(h1)
+    h2 = _landed_chunk(off, kv, 2)
+    assert h2.tolist() == h1.tolist()
+    off.free_host(h1)
+    with pytest.raises(NotAllocated):
+        off.write_storage(h2, list(range(8)), hashing.page_hashes(list(range(8)), PS))
+    with pytest.raises(DoubleFree):
+        off.free_host(h2)
+    assert host.available_size() == 8
+    off.close()

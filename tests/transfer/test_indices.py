@@ -121,3 +121,34 @@ def test_page_ids_of_huge_slot_ids_are_exact(first, page):
     float-rounded neighbour's (nor one page too many or too few)."""
     slots = torch.tensor(list(range(first, first + page)), dtype=torch.int64)
     assert pages_of_aligned(slots, page).tolist() == [first // page]
+
+
+# -- count_pages: the write's check, a decode chunk checked as one Python list -------------------
+from transfer.indices import count_pages  # noqa: E402
+
+
+def _verdict(f, a, ps, end):
+    try:
+        return f(a, ps, "x", end)
+    except BadIndices as err:
+        return str(err)
+
+
+@given(st.lists(st.integers(-8, 80), max_size=40), st.sampled_from([1, 2, 4, 16]),
+       st.sampled_from([None, 33, 64]))
+def test_count_pages_gives_the_verdict_pages_of_slots_gives(ids, ps, end):
+    """Any ids: the same count, or the same error, as the NumPy check (shifted runs included)."""
+    for a in (np.array(ids, dtype=np.int64), np.arange(len(ids), dtype=np.int64) + (ids[0] if ids else 0)):
+        want = _verdict(pages_of_slots, a, ps, end)
+        got = _verdict(count_pages, a, ps, end)
+        assert got == (want if isinstance(want, str) else want.shape[0])
+
+
+@pytest.mark.parametrize("n_pages", [1, 4, 32, 33])  # 33 pages of 16: past the list check's length
+def test_count_pages_of_one_run_checks_the_range_at_both_ends(n_pages):
+    a = np.arange(16, 16 + 16 * n_pages, dtype=np.int64)
+    assert count_pages(a, 16, end=16 + 16 * n_pages) == n_pages
+    with pytest.raises(BadIndices, match="must lie in"):
+        count_pages(a, 16, end=16 + 16 * n_pages - 1)
+    with pytest.raises(BadIndices, match="must lie in"):
+        count_pages(a - 32, 16, end=10**6)  # starts at -16

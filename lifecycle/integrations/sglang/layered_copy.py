@@ -35,7 +35,7 @@ from transfer.copy_engine import CpuCopyEngine, CudaCopyEngine
 from transfer.errors import DeviceMismatch
 from transfer.gather import (DEFAULT_STAGING_BYTES, Staging, check_on_device, check_staging_bytes, landed_error,
                              page_runs, piece_runs)
-from transfer.indices import as_index_tensor, pages_of_slots
+from transfer.indices import as_index_tensor, as_tensor, pages_of_slots
 from transfer.host_pool import HostPool
 
 from lifecycle.integrations.sglang.device_pool import LayeredKVPool
@@ -156,6 +156,7 @@ class LayeredChunkCopy:
         shape = (kv.kinds, kv.layers, kv.heads, kv.head_dim, kv.dtype)
         if shape != (host.kinds, host.layers, host.heads, host.head_dim, host.dtype):
             raise ValueError(f"device pool {shape} and host pool disagree")
+        slots, host_pages = as_tensor(slots), as_tensor(host_pages)  # NumPy ids from the scheduler thread
         self.kv, self.host, self.ps = kv, host, host.page_size
         self.views = views = pool_views(kv, self.ps)
         self.host_words = host.buffer.view(views.word)
