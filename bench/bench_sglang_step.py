@@ -2,7 +2,7 @@
 our drop-in, in SGLang's real classes on CPU, the same workload and seed, paired (issue 33).
 
     /work/sglang-venv/bin/python bench/bench_sglang_step.py [--quick] [--pairs N] [--steps N]
-        [--configs 256/16,256/64,64/16] [--output 64,256] [--gap-ms 5]
+        [--configs 256/16,256/64,64/16] [--output 64,256] [--gap-ms 5] [--dropin-copies after-calls]
 
 Needs SGLang 0.5.19 importable (the environment ``bash .ci/sglang-env`` prepares; it installs this
 checkout editable, so the drop-in measured is the code of this working tree).
@@ -26,6 +26,13 @@ that runs synchronously on the scheduler thread. That copy's thread CPU is measu
 subtracted from SGLang's figures (reported as ``copy``). The drop-in's copies run on its copy
 worker threads on CPU, off the scheduler thread (on a GPU: one launch), so nothing is subtracted from
 it. Storage writes run on each manager's own worker threads (SGLang's backup thread; our writer).
+
+``--dropin-copies`` says when those copy workers start: ``threads`` (default) at once, as a CPU
+deployment runs, so they compete with the scheduler thread for the GIL (and the cores) while it
+makes the step's calls; ``after-calls`` once the step's calls end (``HeldCopies``), so they run
+during the forward's gap, as on a GPU, where the copy engine launches on the stream and has no
+worker thread. Either way nothing of the drop-in's copy is moved onto the measured thread or
+subtracted.
 
 Workload per configuration ``running/page`` (offload stride = page, SGLang's default): a steady decode
 batch of ``running`` requests (prompt 1-4 pages + a partial page, ``--output`` tokens of output, drawn
@@ -208,6 +215,29 @@ class SGLangEnv:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+class HeldCopies:
+    """``--dropin-copies after-calls``: the drop-in's copy jobs are held while the scheduler thread
+    makes the step's calls and handed to its copy workers when they end (``release``), so the
+    copies run during the forward's gap, as on a GPU, where the copy engine has no worker thread
+    and nothing competes with the scheduler thread for the GIL while it makes its calls. Each copy
+    is still planned and run on a worker thread (nothing is moved onto the measured thread, and
+    nothing is subtracted); only when the workers start differs. ``threads`` (the default) submits
+    each job at once, as a CPU deployment does."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.held = engine, []
+        self._submit = engine.submit
+        engine.submit = self.hold  # the engine's own to_host builds the job and calls submit
+
+    def hold(self, tag, fn) -> None:
+        self.held.append((tag, fn))
+
+    def release(self) -> None:
+        held, self.held = self.held, []
+        for tag, fn in held:
+            self._submit(tag, fn)
+
+
 def make_manager(kind: str, pool, alloc, tp_group, tree):
     """``Scheduler.__init__``'s construction, keyword for keyword, of SGLang's class or ours."""
     if kind == SGLANG:
@@ -222,7 +252,7 @@ class Run:
     """One manager over fresh SGLang pools, ``running`` requests decoding (see the module doc)."""
 
     def __init__(self, env: SGLangEnv, kind: str, running: int, page: int, seed: int,
-                 output: tuple[int, int], overhead_ns: int) -> None:
+                 output: tuple[int, int], overhead_ns: int, copies: str = "threads") -> None:
         import torch
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -251,6 +281,7 @@ class Run:
             env.copy.register(self.kv)
         os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.store  # read by both at construction
         self.mgr = make_manager(kind, self.pool, self.alloc, env.tp_group, self.tree)
+        self.held = HeldCopies(self.mgr.offloader.engine) if kind == DROPIN and copies == "after-calls" else None
         self.running: list = []
         self.target: dict[int, int] = {}
         self._rid = 0
@@ -327,6 +358,8 @@ class Run:
                 elif not mgr.offload_kv_cache(req):
                     mgr.finalize_release_on_finish(req)
             t, k = t + clock() - c0, k + copy.ns - k0
+        if self.held is not None:  # the step's calls are over: the forward's gap begins
+            self.held.release()
         done = [r for r in self.running if r.finished()]
         if done:
             self.running = [r for r in self.running if not r.finished()]
@@ -347,6 +380,8 @@ class Run:
                 mgr.finalize_release_on_finish(req)
         deadline = time.monotonic() + timeout_s
         while True:
+            if self.held is not None:
+                self.held.release()
             mgr.check_offload_progress()
             if self._idle():
                 break
@@ -407,7 +442,7 @@ class Measure:
 
 
 def run_pair(env: SGLangEnv, pair: int, running: int, page: int, steps: int, warmup: int, gap_s: float,
-             seed: int, output: tuple[int, int], overhead_ns: int) -> dict[str, dict]:
+             seed: int, output: tuple[int, int], overhead_ns: int, copies: str = "threads") -> dict[str, dict]:
     """One pair: both managers over their own fresh pools, the same seed, stepped in lockstep (step
     ``i`` of one, then step ``i`` of the other, which goes first alternating step by step and pair by
     pair), so that what else loads the machine falls on both alike. Warm-up, then ``steps`` measured
@@ -416,7 +451,7 @@ def run_pair(env: SGLangEnv, pair: int, running: int, page: int, steps: int, war
     load_start = os.getloadavg()[0]
     env.publish(page)
     first, second = pair_order(pair)
-    runs = {kind: Run(env, kind, running, page, seed, output, overhead_ns) for kind in (first, second)}
+    runs = {kind: Run(env, kind, running, page, seed, output, overhead_ns, copies) for kind in (first, second)}
     for i in range(warmup):
         for kind in (first, second) if i % 2 == 0 else (second, first):
             runs[kind].step(False, None)
@@ -496,6 +531,10 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="64,256", help="output tokens per request, MIN,MAX (default %(default)s)")
     ap.add_argument("--gap-ms", type=float, default=5.0, help="sleep between steps: the forward pass")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dropin-copies", choices=("threads", "after-calls"), default="threads",
+                    help="when the drop-in's CPU copy workers start a copy: at once (threads, as a CPU "
+                         "deployment runs) or once the step's calls end (after-calls: as on a GPU, no copy "
+                         "thread beside the measured calls); default %(default)s")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 64/16 and 32/64, 1 pair, 24 steps")
     ap.add_argument("--json", metavar="PATH", help="also write every run's figures as JSON")
     args = ap.parse_args(argv)
@@ -540,13 +579,14 @@ def main(argv=None) -> int:
           f"output {output[0]}-{output[1]} tokens, "
           f"{args.steps} measured steps per run ({args.steps // 2} per step, {args.steps // 2} per call), "
           f"{args.gap_ms:g} ms gap, {args.pairs} pairs per configuration, order alternating; "
-          f"thread_time clock cost {overhead} ns (subtracted per call)")
+          f"thread_time clock cost {overhead} ns (subtracted per call); "
+          f"drop-in copies: {args.dropin_copies}")
     results: dict = {c: {SGLANG: [], DROPIN: []} for c in configs}
     try:
         for pair, (running, page) in schedule(configs, args.pairs):
             warmup = args.warmup if args.warmup is not None else 2 * page + 32
             both = run_pair(env, pair, running, page, args.steps, warmup, args.gap_ms / 1e3,
-                            args.seed + pair, output, overhead)  # the same seed for both runs of a pair
+                            args.seed + pair, output, overhead, args.dropin_copies)  # the same seed for both runs of a pair
             for kind in pair_order(pair):
                 r = both[kind]
                 results[(running, page)][kind].append(r)

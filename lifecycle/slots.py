@@ -323,8 +323,12 @@ def check_slots(pools, ledger, rid, row: int, ranges, a: np.ndarray, verb: str, 
     n = a.shape[0]
     if n == 0:
         return a, 0
-    lo, hi = int(a[0]), int(a[-1])
-    if n <= _SMALL and hi - lo + 1 == n and lo >= 0 and a.tobytes() == np.arange(lo, hi + 1, dtype=a.dtype).tobytes():
+    ids = a.tolist() if n <= _SMALL else None  # a chunk's few ids: checked as one Python list
+    if ids is not None:
+        lo, hi = ids[0], ids[-1]
+    else:
+        lo, hi = int(a[0]), int(a[-1])
+    if ids is not None and hi - lo + 1 == n and lo >= 0 and ids == list(range(lo, hi + 1)):
         s = a  # one run of consecutive ids, ascending (a decode chunk's usual row): no sort, no reduction
     else:
         s = a if n == 1 or (a[1:] > a[:-1]).all() else _sorted_distinct(a)
@@ -366,7 +370,10 @@ def check_slots(pools, ledger, rid, row: int, ranges, a: np.ndarray, verb: str, 
                                    f"to {verb} {_span(ranges)}: {err}") from err
         if names is not None:
             ps = pools.page_size  # each chunk page's device page: its first slot's
-            keys = (int(a[0]) // ps,) if n == ps else (a[::ps] // ps).tolist()
+            if ids is None:
+                keys = (a[::ps] // ps).tolist()
+            else:
+                keys = (ids[0] // ps,) if n == ps else [i // ps for i in ids[::ps]]
             hit = ledger.names.conflict(keys, serial, names, ledger.holders)
             if hit is not None:
                 i, holder = hit

@@ -469,14 +469,11 @@ class HostOffloader:
             uses a page. DoubleFree / NotAllocated: pages not held. On any error nothing changes.
         """
         plist = self._issued_pages(host_indices)
-        if plist is None:
-            pages = self.host.page_ids(host_indices)
-            plist = pages.tolist()
-        else:
-            pages = np.array(plist, dtype=np.int64)
+        if plist is None:  # e.g. several ops' host indices joined: checked by value
+            plist = self.host.page_list(host_indices)
         if not (self._landing.isdisjoint(plist) and self._busy.keys().isdisjoint(plist)):
             raise HostPagesBusy("host pages are still used by an in-flight copy or storage op")
-        self.host.free_pages(pages)
+        self.host.free_pages(plist)
         issued, issued_page = self._issued, self._issued_page
         for p in plist:
             key = issued_page.pop(p, None)

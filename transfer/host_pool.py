@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from transfer.errors import BadIndices, PinningFailed
-from transfer.indices import page_ids, slots_of_pages
+from transfer.indices import as_index_tensor, page_ids, page_list, slots_of_pages
 from transfer.log import get_logger
 from transfer.page_set import PageSet
 
@@ -161,6 +161,14 @@ class HostPool:
         """
         return page_ids(indices, self.page_size, "host indices", self.size)
 
+    def page_list(self, indices: torch.Tensor) -> list[int]:
+        """``page_ids`` as a list of ints (short ones checked in Python: ``indices.page_list``).
+
+        Raises:
+            BadIndices: not whole aligned pages, or outside the pool.
+        """
+        return page_list(as_index_tensor(indices, "host indices").numpy(), self.page_size, "host indices", self.size)
+
     def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
         """``page_ids`` as an int64 tensor.
 
@@ -184,8 +192,9 @@ class HostPool:
         """
         return self._pages.free(self.page_ids(indices))
 
-    def free_pages(self, pages: np.ndarray) -> int:
-        """Free page ids (as returned by ``alloc_pages``); errors as ``free``, nothing changes."""
+    def free_pages(self, pages: np.ndarray | list[int]) -> int:
+        """Free page ids (as returned by ``alloc_pages``, or a list of ints); errors as ``free``,
+        nothing changes."""
         return self._pages.free(pages)
 
     def page_view(self, page: int) -> torch.Tensor:

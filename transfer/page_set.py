@@ -14,6 +14,7 @@ from transfer.errors import BadIndices, DoubleFree, IntegrityError, NotAllocated
 
 _NEVER, _HELD, _RELEASED = 0, 1, 2
 _HELD_BYTES = bytes([_HELD]) * 4096  # a held run of up to this many pages compares as bytes
+_LIST_PAGES = 256  # a Python list of up to this many pages is checked in Python (``_checked``)
 
 
 class PageSet:
@@ -74,8 +75,8 @@ class PageSet:
         """
         self._checked(pages)
 
-    def free(self, pages: np.ndarray) -> int:
-        """Release ``pages`` (a page listed several times counts once).
+    def free(self, pages: np.ndarray | list[int]) -> int:
+        """Release ``pages`` (numpy ids, or a list of ints; a page listed several times counts once).
 
         Returns:
             The number of distinct pages released.
@@ -95,9 +96,19 @@ class PageSet:
         self._released_count += pages.shape[0]
         return pages.shape[0]
 
-    def _checked(self, pages: np.ndarray) -> tuple[np.ndarray, int, int, bool]:
+    def _checked(self, pages) -> tuple[np.ndarray, int, int, bool]:
         """``free``'s validation: the distinct sorted pages, their lowest and highest id, and
-        whether they form one run of consecutive ids; raises (see ``free``) changing nothing."""
+        whether they form one run of consecutive ids; raises (see ``free``) changing nothing.
+        A short Python list (several ops' host pages) is checked in Python, its states read in one
+        NumPy call; any problem is then named by the NumPy check below."""
+        if type(pages) is list and len(pages) <= _LIST_PAGES:
+            s = sorted(set(pages))
+            if s and type(s[0]) is int and type(s[-1]) is int and 0 <= s[0] and s[-1] < self.end:
+                lo, hi = s[0], s[-1]
+                run = hi - lo + 1 == len(s)
+                state = self._state[lo:hi + 1] if run else self._state[s]
+                if state.tobytes() == _HELD_BYTES[:len(s)]:
+                    return np.array(s, dtype=np.int64), lo, hi, run
         pages = np.sort(np.asarray(pages, dtype=np.int64))
         if pages.shape[0] == 0:
             return pages, 0, -1, True

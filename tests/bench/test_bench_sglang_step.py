@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_sglang_step import (  # noqa: E402
-    DROPIN, SGLANG, net_of_copy, pair_order, parse_configs, percentile, ratios, schedule, step_order,
+    DROPIN, SGLANG, HeldCopies, net_of_copy, pair_order, parse_configs, percentile, ratios, schedule, step_order,
     target_of,
 )
 
@@ -90,15 +90,45 @@ def test_configs_and_targets():
     assert target_of("idle_call", 256) is None
 
 
-def test_quick_runs_end_to_end_inside_sglang(tmp_path):
+def test_held_copies_reach_the_engine_only_when_the_steps_calls_end_in_submission_order():
+    """``--dropin-copies after-calls``: the engine's own ``to_host`` builds each job; its submission
+    waits for ``release`` (the end of the step's calls), then every held job goes, in order, once."""
+    class Engine:
+        def __init__(self):
+            self.submitted = []
+
+        def submit(self, tag, fn):
+            self.submitted.append((tag, fn()))
+
+        def to_host(self, tag):
+            self.submit(tag, lambda: f"copy {tag}")
+
+    engine = Engine()
+    held = HeldCopies(engine)
+    engine.to_host(1)
+    engine.to_host(2)
+    assert engine.submitted == [] and [t for t, _ in held.held] == [1, 2]
+    held.release()
+    assert engine.submitted == [(1, "copy 1"), (2, "copy 2")] and held.held == []
+    held.release()
+    engine.to_host(3)
+    assert len(engine.submitted) == 2
+    held.release()
+    assert engine.submitted[-1] == (3, "copy 3")
+
+
+@pytest.mark.parametrize("copies", ["threads", "after-calls"])
+def test_quick_runs_end_to_end_inside_sglang(tmp_path, copies):
     from tests.integrations.sglang_kit import require_sglang
 
     require_sglang()  # skips without sglang, fails under KV_LIFECYCLE_REQUIRE_SGLANG=1
     out_json = tmp_path / "runs.json"
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_sglang_step.py"), "--quick",
-                          "--json", str(out_json)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          "--dropin-copies", copies, "--json", str(out_json)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     text = out.stdout
+    assert f"drop-in copies: {copies}" in text
     assert "sglang = sglang.srt.disaggregation.decode_kvcache_offload_manager.DecodeKVCacheOffloadManager" in text
     assert "drop-in = lifecycle.integrations.sglang.DecodeKVCacheOffloadManager" in text
     runs = json.loads(out_json.read_text())

@@ -152,3 +152,20 @@ def test_count_pages_of_one_run_checks_the_range_at_both_ends(n_pages):
         count_pages(a, 16, end=16 + 16 * n_pages - 1)
     with pytest.raises(BadIndices, match="must lie in"):
         count_pages(a - 32, 16, end=10**6)  # starts at -16
+
+
+# -- page_list: several ops' host pages freed in one call, checked page by page in Python ---------
+from transfer.indices import page_list  # noqa: E402
+
+
+@given(st.lists(st.integers(0, 40), max_size=40), st.sampled_from([1, 2, 4, 16]),
+       st.sampled_from([None, 100, 41 * 16]), st.integers(0, 3), st.integers(-3, 3))
+def test_page_list_gives_the_verdict_pages_of_slots_gives(pages, ps, end, where, delta):
+    """Valid pages, and the same with one slot moved (misaligned, shuffled, out of range): the same
+    pages, or the same error, as the NumPy check."""
+    a = slots_for(pages, ps).numpy().copy()
+    if a.shape[0] and delta:
+        a[where % a.shape[0]] += delta
+    want = _verdict(pages_of_slots, a, ps, end)
+    got = _verdict(page_list, a, ps, end)
+    assert got == (want if isinstance(want, str) else want.tolist())

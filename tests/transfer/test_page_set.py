@@ -145,3 +145,28 @@ def test_check_integrity_names_each_inconsistency():
     ps._free = np.array([0, 1, 2, 2], dtype=np.int64)
     with pytest.raises(IntegrityError, match=r"^a page is on the free list twice$"):
         ps.check_integrity()
+
+
+# -- a Python list of pages (several ops' host pages) is freed as the same pages in NumPy would be --
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as hst  # noqa: E402
+
+
+@settings(max_examples=60)
+@given(hst.lists(hst.integers(-2, 20), max_size=12), hst.integers(0, 6))
+def test_freeing_a_list_of_pages_does_what_freeing_their_array_does(pages, released):
+    """Any pages (held, never handed out, already free, repeated, out of range): the same count or
+    the same error, and the same state after."""
+    import numpy as np
+
+    def run(as_list):
+        ps = PageSet(16, first=1)
+        got = ps.alloc(12)
+        ps.free(got[:released])
+        try:
+            out = ps.free(list(pages) if as_list else np.array(pages, dtype=np.int64))
+        except Exception as err:  # noqa: BLE001 - the verdict compared is the error itself
+            out = (type(err), str(err))
+        return out, ps.free_count(), ps._state.tobytes()
+
+    assert run(True) == run(False)
