@@ -14,9 +14,14 @@ read until ``finished_writes`` reports it failed (a copy cannot be
 cancelled, on a worker thread or on a CUDA stream), so the caller keeps them until then.
 
 Scheduler-thread cost. ``write`` and the polls are on the decode loop's critical path: page
-bookkeeping is plain Python sets and numpy (no small torch ops), index validation is a few numpy
-calls on a zero-copy view, and the copy plan is built on the copy worker. Host-pool backpressure
-is counted (``writes_rejected``) and logged at most once per ``backpressure_log_interval_s``.
+bookkeeping is plain Python sets and numpy, a decode chunk's slot ids are checked as one Python list
+(``count_pages``), the copy plan is built (and its NumPy ids wrapped as tensors) on the copy worker,
+and no torch op that releases the GIL runs on this thread (each one lets a waiting copy or storage
+worker in, and this thread then waits: a thread switch). The host indices ``write`` returns are
+remembered while their pages are held, so ``write_storage`` and ``free_host`` of that same tensor,
+unchanged since (its version), read its pages from there instead of deriving them from its values
+again; any other tensor is checked by value. Host-pool backpressure is counted
+(``writes_rejected``) and logged at most once per ``backpressure_log_interval_s``.
 
 Shutdown. ``close(timeout=...)`` waits at most ``timeout`` seconds (default
 ``DEFAULT_CLOSE_TIMEOUT_S``) and returns a ``CloseReport``: a stuck copy is abandoned, never
@@ -218,11 +223,12 @@ class HostOffloader:
         if self.observer is not None:
             self._submitted[ack_id] = time.perf_counter()
         out = slots_of_pages(pages, self.page_size, ascending=True)
-        key = id(out)
-        self._issued[key] = (out, out._version, host_pages)
-        issued_page = self._issued_page
-        for p in host_pages:
-            issued_page[p] = key
+        if not out.is_inference():  # an inference tensor (vLLM's worker) has no version to watch
+            key = id(out)
+            self._issued[key] = (out, out._version, host_pages)
+            issued_page = self._issued_page
+            for p in host_pages:
+                issued_page[p] = key
         return out
 
     def _issued_pages(self, host_indices) -> list[int] | None:

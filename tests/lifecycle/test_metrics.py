@@ -499,6 +499,21 @@ def test_the_process_metrics_are_made_once_and_refused_under_other_label_names(m
     assert lifecycle_metrics.process_metrics(("role", "tp_rank")) is first
 
 
+def test_the_process_metrics_labels_are_empty_until_an_update_gives_them(monkeypatch):
+    """The constant labels start empty: a latency observed before any ``update`` is labelled
+    ``""``, never a made-up value."""
+    import prometheus_client
+
+    from lifecycle import metrics as lifecycle_metrics
+
+    reg = prometheus_client.CollectorRegistry()
+    monkeypatch.setattr(prometheus_client, "REGISTRY", reg)
+    monkeypatch.setattr(lifecycle_metrics, "_process_metrics", None)
+    lifecycle_metrics.process_metrics(("tp_rank", "pp_rank")).observe_step(0.01)
+    labels = [s.labels for m in reg.collect() for s in m.samples if s.name == "kv_lifecycle_manager_step_seconds_count"]
+    assert labels == [{"tp_rank": "", "pp_rank": ""}]
+
+
 def test_the_updater_passes_its_source_and_labels_to_every_update():
     seen = []
 

@@ -854,3 +854,20 @@ def test_host_pages_handed_out_again_are_freed_by_value_through_an_older_tensor(
         off.free_host(h2)
     assert host.available_size() == 8
     off.close()
+
+
+def test_a_write_under_inference_mode_returns_host_indices_checked_by_value_after():
+    """vLLM's worker runs under ``torch.inference_mode()``: the host indices ``write`` makes there
+    are inference tensors, which keep no version; they are checked by value, as any tensor."""
+    off, kv, host, store = make()
+    with torch.inference_mode():
+        h = _landed_chunk(off, kv, 1)
+        assert h.is_inference()
+        tokens, hashes = list(range(8)), hashing.page_hashes(list(range(8)), PS)
+        op = off.write_storage(h, tokens, hashes)
+        assert drain(off.finished_storage, 1) == [op]
+        off.free_host(h)
+        with pytest.raises(DoubleFree):
+            off.free_host(h)
+    assert host.available_size() == 32 and store.batch_exists(hashes) == 2 and off.idle()
+    off.close()
