@@ -77,6 +77,16 @@ class OffloaderStats(msgspec.Struct):
     host_free_pages: int = 0
 
 
+class _Issued(msgspec.Struct, gc=False):
+    """Host indices ``write`` returned, while their pages are held: the tensor, its version then,
+    its pages. Off the collector's walk (``gc=False``): the tensor and the list are the copy's own,
+    held elsewhere too, so an entry per chunk adds no tracked object."""
+
+    tensor: object
+    version: int
+    pages: list
+
+
 def check_compatible(kv: KVPool, host: HostPool) -> None:
     """Raise ValueError unless ``kv`` and ``host`` hold the same KV shape and dtype."""
     a = (kv.kinds, kv.layers, kv.heads, kv.head_dim, kv.dtype)
@@ -153,7 +163,7 @@ class HostOffloader:
         # the host indices ``write`` returned, while their pages are held: id -> (the tensor, its
         # version then, its pages), and host page -> that id. ``write_storage`` and ``free_host`` of
         # such a tensor, unchanged since, read its pages from here instead of from its values.
-        self._issued: dict[int, tuple[torch.Tensor, int, list[int]]] = {}
+        self._issued: dict[int, _Issued] = {}
         self._issued_page: dict[int, int] = {}
         self._stats = OffloaderStats()
         self._bp_interval = backpressure_log_interval_s
@@ -225,7 +235,7 @@ class HostOffloader:
         out = slots_of_pages(pages, self.page_size, ascending=True)
         if not out.is_inference():  # an inference tensor (vLLM's worker) has no version to watch
             key = id(out)
-            self._issued[key] = (out, out._version, host_pages)
+            self._issued[key] = _Issued(out, out._version, host_pages)
             issued_page = self._issued_page
             for p in host_pages:
                 issued_page[p] = key
@@ -235,8 +245,8 @@ class HostOffloader:
         """The pages of host indices ``write`` returned and nobody changed since (their pages still
         held), or None: any other tensor, whose values are read and checked."""
         entry = self._issued.get(id(host_indices))
-        if entry is not None and entry[0] is host_indices and host_indices._version == entry[1]:
-            return entry[2]
+        if entry is not None and entry.tensor is host_indices and host_indices._version == entry.version:
+            return entry.pages
         return None
 
     def _rejected(self, ack_id: int, n_pages: int) -> None:

@@ -18,8 +18,9 @@ from transfer import build_stack
 
 PS = 4
 # what the scheduler thread may call on a tensor: reads of its values into NumPy / Python and of
-# its attributes (``__get__``: dtype, shape, is_cpu, _version ...); none of them releases the GIL
-KEEPS_THE_GIL = {"numpy", "tolist", "__get__", "dim", "numel", "__len__"}
+# its attributes (``__get__``: dtype, shape, is_cpu, _version ...; ``is_inference``); none of them
+# releases the GIL
+KEEPS_THE_GIL = {"numpy", "tolist", "__get__", "dim", "numel", "__len__", "is_inference"}
 
 
 class TorchCalls(TorchFunctionMode):
