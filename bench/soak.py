@@ -100,7 +100,9 @@ def main() -> None:
     ap.add_argument("--round", type=int, default=2_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--storage-fail", type=float, default=0.02)
-    ap.add_argument("--copy-timeout", type=float, default=0.0005)
+    ap.add_argument("--copy-timeout", type=float, default=0.02,
+                    help="copy deadline in seconds (default %(default)s: some copies expire, most land and "
+                         "their pages are verified; at 0.0005 nearly every copy expires and nothing is verified)")
     ap.add_argument("--store-capacity", type=int, default=16 << 20,
                     help="LRU bound of the file store in bytes, so its index stays bounded too")
     ap.add_argument("--no-freeze", dest="freeze", action="store_false",

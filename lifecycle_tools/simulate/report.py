@@ -115,9 +115,10 @@ class PassReport:
         return [msg for bad, msg in checks if bad]
 
     def _missing_unexplained(self) -> int:
-        """Sampled pages missing with no cause: not refused at the read, no write failed and none was
-        cut off by the drain (a cut-off write is abandoned, never stored: each of its pages may be missing)."""
-        if self.storage_failures or self.verify_unavailable or self.storage_evictions:
+        """Sampled pages missing with no cause: not refused at the read, no write failed, no copy failed
+        or expired (its pages are never stored) and none was cut off by the drain (a cut-off write is
+        abandoned, never stored: each of its pages may be missing)."""
+        if self.storage_failures or self.verify_unavailable or self.storage_evictions or self.chunks_failed:
             return 0
         return max(0, self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign
                    - self.storage_pages_cut_off)
@@ -132,6 +133,8 @@ class PassReport:
         rest = self.verify_missing - self.verify_refused_corrupt - self.verify_refused_foreign
         if rest > 0:
             why = [w for n, w in ((self.storage_failures, "storage writes failed"),
+                                  (self.chunks_failed,
+                                   f"{self.chunks_failed} chunks' copies failed or expired (never stored)"),
                                   (self.storage_pages_cut_off,
                                    f"{self.storage_pages_cut_off} pages' writes cut off at the end of the pass"),
                                   (self.storage_evictions, f"the store evicted {self.storage_evictions} pages under its capacity bound"))
