@@ -20,7 +20,10 @@ and no torch op that releases the GIL runs on this thread (each one lets a waiti
 worker in, and this thread then waits: a thread switch). The host indices ``write`` returns are
 remembered while their pages are held, so ``write_storage`` and ``free_host`` of that same tensor,
 unchanged since (its version), read its pages from there instead of deriving them from its values
-again; any other tensor is checked by value. Host-pool backpressure is counted
+again; any other tensor is checked by value. What the version cannot show is trusted: a write
+into the tensor through a NumPy view of it, or its pages freed through the host pool directly
+instead of ``free_host`` (the pages stay the offloader's caller's until ``free_host``, as the
+protocol says); an inference tensor has no version and is never remembered. Host-pool backpressure is counted
 (``writes_rejected``) and logged at most once per ``backpressure_log_interval_s``.
 
 Shutdown. ``close(timeout=...)`` waits at most ``timeout`` seconds (default
