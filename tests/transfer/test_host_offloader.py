@@ -871,3 +871,30 @@ def test_a_write_under_inference_mode_returns_host_indices_checked_by_value_afte
             off.free_host(h)
     assert host.available_size() == 32 and store.batch_exists(hashes) == 2 and off.idle()
     off.close()
+
+
+def test_host_indices_follow_the_order_a_placing_pool_hands_its_pages_out_in():
+    """A host pool that places pages where it is told (vLLM's scheduler chooses them) may hand out
+    a consecutive set out of order: the chunk's i-th page lands in the i-th page given, and the host
+    indices ``write`` returns say so, page by page in that order (not the set sorted)."""
+    off, kv, host, store = make()
+    alloc = host._pages.alloc
+    placed = []
+
+    def place(n):  # the pool's own accounting takes the pages; they are handed out in another order
+        got = alloc(n)
+        placed[:] = [got[0], got[2], got[1], got[3]]
+        return got[[0, 2, 1, 3]]
+
+    host._pages.alloc = place
+    slots = torch.arange(16, 32)
+    kv.write(slots, synthetic_kv(kv, 1, torch.arange(16)))
+    h = off.write(slots, ack_id=1)
+    assert h.tolist() == [int(p) * PS + k for p in placed for k in range(PS)]
+    assert drain(polls(off).ended, 1) == [1]
+    want = kv.read(slots)  # [kinds, layers, 16, heads, dim]
+    for i, p in enumerate(host.page_ids(h).tolist()):  # chunk page i is in the host page h names i-th
+        page = want[:, :, i * PS:(i + 1) * PS].permute(0, 2, 1, 3, 4).contiguous()
+        assert torch.equal(host.page_view(p).view(torch.uint8), page.view(torch.uint8))
+    off.free_host(h)
+    off.close()
