@@ -66,8 +66,9 @@ def test_a_chunks_whole_life_and_a_release_call_no_torch_op_that_lets_the_gil_go
         with calls:
             mgr.check_offload_progress()  # both landed: their storage writes submitted
         assert mgr.stats().inflight_writes == 0
-        _until(lambda: stack.storage.batch_exists(_names(mgr, reqs)) == 2, "both pages stored")
-        time.sleep(0.05)  # both storage jobs report done: one progress check frees their pages together
+        # both storage ops reported done (collected, not settled): one progress check frees their pages together
+        _until(lambda: mgr.pending().unsettled == 2, "both storage ops reported")
+        assert stack.storage.batch_exists(_names(mgr, reqs)) == 2
         with calls:
             mgr.check_offload_progress()
             for req in reqs:
