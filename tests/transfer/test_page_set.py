@@ -152,7 +152,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as hst  # noqa: E402
 
 
-@settings(max_examples=60)
+@settings(max_examples=60, deadline=None)
 @given(hst.lists(hst.integers(-2, 20), max_size=12), hst.integers(0, 6))
 def test_freeing_a_list_of_pages_does_what_freeing_their_array_does(pages, released):
     """Any pages (held, never handed out, already free, repeated, out of range): the same count or
