@@ -235,11 +235,9 @@ class HostOffloader:
         self._stats.writes += 1
         if self.observer is not None:
             self._submitted[ack_id] = time.perf_counter()
-        first, n = host_pages[0], len(host_pages)
-        if host_pages == list(range(first, first + n)):  # one ascending run: what a PageSet hands out
-            out = torch.from_numpy(np.arange(first * self.page_size, (first + n) * self.page_size, dtype=np.int64))
-        else:  # the pages in the order the chunk's pages land in them (a pool that places its pages)
-            out = slots_of_pages(pages, self.page_size)
+        # page by page in the order the chunk's pages land in them (a pool that places its pages may
+        # hand a consecutive set out of order); one ascending run recognised on the Python list
+        out = slots_of_pages(host_pages, self.page_size)
         if not out.is_inference():  # an inference tensor (vLLM's worker) has no version to watch
             key = id(out)
             self._issued[key] = _Issued(out, out._version, host_pages)

@@ -65,18 +65,35 @@ def as_index_tensor(indices: torch.Tensor, what: str = "indices") -> torch.Tenso
     return indices.to(device="cpu", dtype=torch.int64)
 
 
-def slots_of_pages(pages: torch.Tensor | np.ndarray, page_size: int, ascending: bool = False) -> torch.Tensor:
+def one_run(ids: list[int]) -> bool:
+    """Whether ``ids`` (a non-empty list of ints) are one run of consecutive ids, ascending."""
+    first, n = ids[0], len(ids)
+    return ids[-1] == first + n - 1 and ids == list(range(first, first + n))
+
+
+def slots_of_pages(pages: torch.Tensor | np.ndarray | list[int], page_size: int,
+                   ascending: bool = False) -> torch.Tensor:
     """Every token slot of ``pages`` (int64 tensor), page by page in order.
 
     ``ascending=True`` promises the ids strictly increase (what ``PageSet.alloc`` returns), so one
-    run of consecutive pages is recognised from its ends alone.
+    run of consecutive pages is recognised from its ends alone. A list of ints (pages a caller
+    already holds as Python ints) is recognised as one run in Python, whatever it promises.
     """
+    if type(pages) is list:
+        if pages and one_run(pages):
+            return _run_slots(pages[0], len(pages), page_size)
+        pages = np.asarray(pages, dtype=np.int64)
     p = pages.numpy() if isinstance(pages, torch.Tensor) else pages
     n = p.shape[0]
     if n and int(p[-1]) - int(p[0]) == n - 1 and (ascending or n < 3 or bool((p[1:] > p[:-1]).all())):
-        first = int(p[0]) * page_size  # one run of consecutive pages (what the pools hand out)
-        return torch.from_numpy(np.arange(first, first + n * page_size, dtype=np.int64))
+        return _run_slots(int(p[0]), n, page_size)  # one run of consecutive pages (what the pools hand out)
     return torch.from_numpy((p.reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1))
+
+
+def _run_slots(first_page: int, n: int, page_size: int) -> torch.Tensor:
+    """The slots of the ``n`` pages from ``first_page`` on."""
+    first = first_page * page_size
+    return torch.from_numpy(np.arange(first, first + n * page_size, dtype=np.int64))
 
 
 def page_ids(
@@ -137,7 +154,7 @@ def count_pages(a: np.ndarray, page_size: int, what: str = "indices", end: int |
     if 0 < n <= _LIST_CHECK and not n % page_size:
         ids = a.tolist()
         first = ids[0]
-        if not first % page_size and ids[-1] == first + n - 1 and ids == list(range(first, first + n)):
+        if not first % page_size and one_run(ids):
             if end is not None and (first < 0 or first + n > end):
                 raise BadIndices(f"{what} must lie in 0..{end - 1}")
             return n // page_size

@@ -171,3 +171,12 @@ def test_page_list_gives_the_verdict_pages_of_slots_gives(pages, ps, end, where,
     want = _verdict(pages_of_slots, a, ps, end)
     got = _verdict(page_list, a, ps, end)
     assert got == (want if isinstance(want, str) else want.tolist())
+
+
+@pytest.mark.parametrize("pages", [[3, 4, 5], [7], [1, 3, 2, 4], [4, 4], [2, 1], []],
+                         ids=["run", "one", "ends-span-n", "repeat", "descending", "none"])
+def test_slots_of_a_list_of_pages_are_page_by_page_in_the_order_given(pages):
+    """A list of ints (a caller's own page ids) is one run only when it ascends: a consecutive set
+    out of order keeps its order (the host pages a placing pool hands out)."""
+    got = slots_of_pages(pages, 2)
+    assert got.dtype == torch.int64 and got.tolist() == [p * 2 + k for p in pages for k in range(2)]
