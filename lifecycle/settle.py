@@ -7,7 +7,6 @@ records these functions hand back."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from lifecycle import audit
@@ -86,14 +85,16 @@ def expired_ended(mgr, q: Quarantine, errors: list) -> None:
 
 
 def stored(mgr, op_ids: list, errors: list) -> None:
-    """Storage ops finished (either way): their host pages go back, in one ``free_host`` call
-    (an offloader that raises is noted in ``errors``)."""
+    """Storage ops finished (either way): their host pages go back, in one ``free_host`` call of
+    their host indices as a list (the offloader reads each tensor it returned from what it
+    remembered of it: nothing joined or read on this thread; an offloader that raises is noted
+    in ``errors``)."""
     ops = [mgr._ledger.finish_storage(op_id) for op_id in op_ids]
     if len(ops) == 1:
         _free_host(mgr, ops[0].host, errors)
     else:
         try:
-            mgr.offloader.free_host(_joined([op.host for op in ops]))
+            mgr.offloader.free_host([op.host for op in ops])
         except Exception:  # an offloader's free changes nothing when it raises: op by op, so one
             for op in ops:  # op's bad pages keep no other op's pages from going back
                 _free_host(mgr, op.host, errors)
@@ -101,15 +102,6 @@ def stored(mgr, op_ids: list, errors: list) -> None:
         for op in ops:
             mgr._emit(mgr._log.debug, audit.STORED, rid=op.rid, op_id=op.op_id, ack_id=op.ack_id, pages=op.pages,
                       first_hash=op.first_hash, last_hash=op.last_hash)
-
-
-def _joined(hosts: list) -> torch.Tensor:
-    """The host indices of several ops as one tensor. Host-memory tensors are joined in NumPy:
-    ``torch.cat`` releases the GIL, and a copy or storage worker waiting for it then runs while
-    this thread waits (a thread switch, each step)."""
-    if all(type(h) is torch.Tensor and h.is_cpu and not h.requires_grad for h in hosts):
-        return torch.from_numpy(np.concatenate([h.numpy() for h in hosts]))
-    return torch.cat(hosts)
 
 
 MAX_RELEASE_CHECKS = 1024  # device-side release checks kept unread (a scheduler that never polls)

@@ -482,16 +482,23 @@ class HostOffloader:
         out, self._failed = self._failed, []
         return out
 
-    def free_host(self, host_indices: torch.Tensor) -> None:
-        """See ``Offloader.free_host``.
+    def free_host(self, host_indices: torch.Tensor | list[torch.Tensor]) -> None:
+        """See ``Offloader.free_host``: one tensor of host indices, or a list of them (several
+        ops' pages in one call; a list with none frees nothing).
 
         Raises:
             BadIndices: not whole pages of the pool. HostPagesBusy: a copy or storage op still
             uses a page. DoubleFree / NotAllocated: pages not held. On any error nothing changes.
         """
-        plist = self._issued_pages(host_indices)
-        if plist is None:  # e.g. several ops' host indices joined: checked by value
-            plist = self.host.page_list(host_indices)
+        if type(host_indices) is list:
+            plist = []
+            for t in host_indices:
+                pages = self._issued_pages(t)
+                plist += self.host.page_list(t) if pages is None else pages
+        else:
+            plist = self._issued_pages(host_indices)
+            if plist is None:  # a tensor ``write`` did not return, or one changed since: checked by value
+                plist = self.host.page_list(host_indices)
         if not (self._landing.isdisjoint(plist) and self._busy.keys().isdisjoint(plist)):
             raise HostPagesBusy("host pages are still used by an in-flight copy or storage op")
         self.host.free_pages(plist)

@@ -106,10 +106,12 @@ class Offloader(Protocol):
         """Op ids finished (success or failure) since the last call. Never blocks."""
         ...
 
-    def free_host(self, host_indices: torch.Tensor) -> None:
-        """Return host pages to the host pool. Raises on a double free (or pages a copy or storage
-        op still uses), and then frees none of them: the manager, refused one call for several ops'
-        pages, frees them op by op."""
+    def free_host(self, host_indices: torch.Tensor | list[torch.Tensor]) -> None:
+        """Return host pages to the host pool: the pages of one tensor of host indices ``write``
+        returned, or of a list of them (several ops' pages in one call: the manager frees the
+        storage ops a progress check saw finish this way). Raises on a double free (or pages a
+        copy or storage op still uses), and then frees none of them: the manager, refused one call
+        for several ops' pages, frees them op by op."""
         ...
 
     def close(self, timeout: float | None):

@@ -153,7 +153,11 @@ class InMemoryOffloader:
         out, self._stored_ops = self._stored_ops, []
         return out
 
-    def free_host(self, host_indices: torch.Tensor) -> None:
+    def free_host(self, host_indices: torch.Tensor | list[torch.Tensor]) -> None:
+        if type(host_indices) is list:  # several ops' pages in one call (``Offloader.free_host``)
+            if not host_indices:
+                return
+            host_indices = torch.cat(host_indices)
         pages = sorted(set((host_indices // self.page_size).tolist()))
         missing = [p for p in pages if p not in self._held_pages]
         if missing:

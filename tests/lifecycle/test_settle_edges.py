@@ -326,14 +326,15 @@ def test_another_requests_chunk_does_not_wait():
 
 class FreeHostFails:
     """Wraps an offloader's ``free_host`` to raise, freeing nothing, when asked to free any host
-    index of the tensors in ``bad``."""
+    index of the tensors in ``bad`` (in one tensor, or in a list of them)."""
 
     def __init__(self, off):
         self.off, self.real, self.bad, self.raised = off, off.free_host, [], 0
         off.free_host = self
 
     def __call__(self, host):
-        if any(bool(torch.isin(host, b).any()) for b in self.bad):
+        hosts = host if type(host) is list else [host]  # several ops' pages in one call, or one tensor
+        if any(bool(torch.isin(h, b).any()) for h in hosts for b in self.bad):
             self.raised += 1
             raise RuntimeError("host pages cannot be freed")
         self.real(host)

@@ -898,3 +898,63 @@ def test_host_indices_follow_the_order_a_placing_pool_hands_its_pages_out_in():
         assert torch.equal(host.page_view(p).view(torch.uint8), page.view(torch.uint8))
     off.free_host(h)
     off.close()
+
+
+def _landed_at(off, kv, ack, first_slot):
+    """A copy of the two device pages from ``first_slot`` on, landed; returns its host indices."""
+    slots = torch.arange(first_slot, first_slot + 8)
+    kv.write(slots, synthetic_kv(kv, ack, torch.arange(8)))
+    h = off.write(slots, ack_id=ack)
+    assert drain(polls(off).ended, 1) == [ack]
+    return h
+
+
+def test_a_list_of_host_indices_frees_every_tensors_pages_in_one_call():
+    """Several ops' host indices in one ``free_host`` call (what the manager does for the storage
+    ops a progress check saw finish): each tensor's pages go back, as if freed one by one."""
+    off, kv, host, store = make()
+    h1, h2, h3 = (_landed_at(off, kv, ack, first) for ack, first in ((1, 0), (2, 8), (3, 16)))
+    free_before = host.available_size()
+    off.free_host([h1, h2.clone()])  # one tensor ``write`` returned, one by value
+    assert host.available_size() == free_before + 16
+    for h in (h1, h2):
+        with pytest.raises(DoubleFree):
+            off.free_host([h])
+    off.free_host([])  # nothing to free
+    off.free_host([h3])
+    assert host.available_size() == 32 and off.idle()
+    host.check_integrity()
+    off.close()
+
+
+@pytest.mark.parametrize("bad", ["not_whole_pages", "freed_before", "storage_reads_it"])
+def test_a_list_with_one_tensor_that_cannot_be_freed_frees_nothing(bad):
+    """All or none: one tensor of the list refused (not whole pages, pages already free, pages a
+    storage op still reads) and no page of any tensor in it goes back."""
+    off, kv, host, store = make()
+    h1, h2 = _landed_at(off, kv, 1, 0), _landed_at(off, kv, 2, 8)
+    if bad == "not_whole_pages":
+        other, error = h2[1:], BadIndices
+    elif bad == "freed_before":
+        off.free_host(h2)
+        other, error = h2, DoubleFree
+    else:
+        gate = threading.Event()
+        real = store.batch_set
+        store.batch_set = lambda *a, **k: (gate.wait(5), real(*a, **k))[1]
+        tokens = list(range(8))
+        off.write_storage(h2, tokens, hashing.page_hashes(tokens, PS))
+        other, error = h2, HostPagesBusy
+    free_before = host.available_size()
+    with pytest.raises(error):
+        off.free_host([h1, other])
+    assert host.available_size() == free_before
+    off.free_host(h1)  # h1's pages were never freed: they still can be
+    assert host.available_size() == free_before + 8
+    if bad == "storage_reads_it":
+        gate.set()
+        drain(off.finished_storage, 1)
+    if bad != "freed_before":
+        off.free_host(h2)
+    assert host.available_size() == 32
+    off.close()

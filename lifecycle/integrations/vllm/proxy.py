@@ -113,8 +113,11 @@ class ProxyOffloader:
         out, self._store_failed = self._store_failed, set()
         return out
 
-    def free_host(self, host_indices: torch.Tensor) -> None:
-        pages = self._host_pages(host_indices)
+    def free_host(self, host_indices: torch.Tensor | list[torch.Tensor]) -> None:
+        if type(host_indices) is list:  # several ops' pages in one call (``Offloader.free_host``)
+            pages = [p for t in host_indices for p in self._host_pages(t)]
+        else:
+            pages = self._host_pages(host_indices)
         self.pages.free(np.asarray(pages, dtype=np.int64))
         self._ops.append(Free(pages))
 

@@ -56,3 +56,18 @@ def test_storage_ops_finish_when_every_rank_finished_and_frees_are_recorded_in_o
     with pytest.raises(DoubleFree):
         p.free_host(host)
     assert p.take_jobs() == []                                              # a refused free records nothing
+
+
+def test_several_ops_host_pages_freed_in_one_call_are_one_free_job_or_none():
+    """``free_host`` of a list (the manager frees a progress check's finished storage ops so): one
+    ``Free`` of every tensor's pages, in order; a list with one tensor already freed frees none."""
+    p = ProxyOffloader(PS, host_pages=4, device_slots=16 * PS)
+    a, b, c = (p.write(_slots([block]), ack_id=block) for block in (1, 2, 3))
+    p.take_jobs()
+    p.free_host([b, a])
+    assert p.take_jobs() == [Free([1, 0])]
+    with pytest.raises(DoubleFree):
+        p.free_host([c, a])
+    assert p.take_jobs() == []                                              # c's page was not freed either
+    p.free_host([c])
+    assert p.take_jobs() == [Free([2])]
