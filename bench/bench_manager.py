@@ -90,7 +90,7 @@ class Offloader:
 
     def write(self, device_indices, ack_id):
         self.writes.append(ack_id)
-        return self.host[: device_indices.numel()]
+        return self.host[: device_indices.shape[0]]
 
     def finished_writes(self):
         if not self.writes:

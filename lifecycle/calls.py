@@ -122,7 +122,7 @@ def shutdown(mgr, force: bool, timeout_s: float):
             mgr._emit(mgr._log.error, audit.ABANDONED, pending=pending.describe(),
                       acks=sorted(ledger.ongoing),
                       copies=[(c.rec.rid, ack, c.start, c.end) for ack, c in ledger.ongoing.items()],
-                      held_slots=sum(c.indices.numel() for c in ledger.ongoing.values()),
+                      held_slots=sum(c.indices.shape[0] for c in ledger.ongoing.values()),
                       quarantined_slots=pending.quarantined_slots,
                       why="a copy may still read these slots: they stay allocated, never reused")
     finally:

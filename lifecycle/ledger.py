@@ -27,7 +27,7 @@ from lifecycle.records import Chunk, Quarantine, Record, RecordView, ReleaseChec
 from lifecycle.slots import PageNames, SlotsInFlight
 from lifecycle.states import State
 from transfer.gather import ids_verdict
-from transfer.indices import on_host
+from transfer.indices import as_tensor, on_host
 
 _PREFILLED, _OFFLOADING, _INFLIGHT = State.PREFILLED, State.OFFLOADING, State.INFLIGHT
 _FINISHED, _RELEASED = State.FINISHED, State.RELEASED
@@ -237,7 +237,7 @@ class Ledger:
         rec = chunk.rec
         rec.inflight -= 1
         self.copies_expired += 1
-        self.expired[ack] = Quarantine(ack, rec.rid, chunk.host, chunk.indices)
+        self.expired[ack] = Quarantine(ack, rec.rid, chunk.host, as_tensor(chunk.indices))  # freed through the allocator: a tensor
         rec.expired = (rec.expired or ()) + (ack,)
         return chunk
 
@@ -448,7 +448,7 @@ class Ledger:
             problems.append(f"{sum(per_rec.values())} in-flight chunks belong to no live record")
         if counts != self.by_state:
             problems.append(f"state counters {self.by_state} disagree with records {counts}")
-        reads = (sum(c.indices.numel() for c in self.ongoing.values() if on_host(c.indices))  # device ids: not counted
+        reads = (sum(c.indices.shape[0] for c in self.ongoing.values() if on_host(c.indices))  # device ids: not counted
                  + sum(q.slots.numel() for q in self.expired.values() if on_host(q.slots) and not q.disowned))
         if self.reading.total() != reads:
             problems.append(f"{self.reading.total()} slot reads counted, but copies in flight read {reads} slots")

@@ -67,7 +67,7 @@ class Chunk(msgspec.Struct, gc=False):
     tokens: tuple
     page_hashes: tuple
     enqueued_at: float
-    indices: object = None  # the int64 device slots the copy reads (planned before the offload)
+    indices: object = None  # the int64 device slots the copy reads (planned before the offload): NumPy for a host row, a tensor on a device
     parent_hash: str | None = None  # the page before the chunk's first (its hash chain's parent)
 
 

@@ -192,16 +192,17 @@ def initial_progress(mgr, req) -> OffloadedState:
 
 
 def row_slots(table: torch.Tensor, row: int, start: int, end: int,
-              rows: np.ndarray | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
-    """``table[row, start:end]`` as a fresh int64 tensor on the table's device, and its ids as NumPy
-    on the CPU for the slot check. In host memory one NumPy copy-convert, shared by both (about
-    half the cost of the torch indexing and ``to`` for a chunk's few slots). On a device a
-    device-side copy, never read on the host (no sync): the ids are None and their values are
+              rows: np.ndarray | None = None) -> tuple[torch.Tensor | np.ndarray, np.ndarray | None]:
+    """``table[row, start:end]`` as fresh int64 ids: the chunk's slot ids for ``Offloader.write``,
+    and the same ids as NumPy for the slot check (None: not read on the host). In host memory one
+    NumPy copy-convert, handed to both as it is: no tensor is made on the scheduler thread (each
+    costs 10-25 µs there on cold caches; docs/architecture.md, "The GIL on the scheduler thread").
+    On a device a device-side copy (a tensor), never read on the host (no sync): its values are
     checked on the device (``lifecycle.slots.check_device_chunk``) and where the copy runs
     (``transfer.gather.ChunkCopy``); a bad chunk is a failed copy."""
     if rows is not None or on_host(table):
         a = (table.numpy() if rows is None else rows)[row, start:end].astype(np.int64)
-        return torch.from_numpy(a), a
+        return a, a
     return table[row, start:end].to(torch.int64, copy=True), None
 
 

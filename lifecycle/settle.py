@@ -20,7 +20,7 @@ def expired(mgr, ack: int) -> Chunk | None:
     chunk = mgr._ledger.expire(ack)
     if chunk is not None:
         mgr._emit(chunk.rec.log.error, audit.COPY_EXPIRED, ack_id=ack, start=chunk.start, end=chunk.end,
-                  slots=chunk.indices.numel())
+                  slots=chunk.indices.shape[0])
     return chunk
 
 

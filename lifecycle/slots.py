@@ -77,7 +77,7 @@ class SlotsInFlight:
                 if self.device is not None:
                     self.device.add(ack, indices)
                 return
-            a = indices.numpy()
+            a = indices if type(indices) is np.ndarray else indices.numpy()
             if not a.shape[0]:
                 return
             a = np.unique(a)

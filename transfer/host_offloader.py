@@ -47,7 +47,7 @@ from transfer.errors import (
     BadIndices, Closed, HostPagesBusy, NotAllocated, StorageError, TransferError, UnknownId,
 )
 from transfer.host_pool import HostPool
-from transfer.indices import as_index_tensor, check_device_indices, count_pages, on_host, slots_of_pages
+from transfer.indices import as_index_array, check_device_indices, count_pages, host_slots_array, on_host, slots_of_pages
 from transfer.kv_pool import KVPool
 from transfer.log import RateLimitedLog, get_logger
 from transfer.offloader import EMPTY_REPORT, WriteReport
@@ -80,9 +80,12 @@ class OffloaderStats(msgspec.Struct):
     host_free_pages: int = 0
 
 
+_READ_ONLY = -1  # ``_Issued.version`` of NumPy host indices: handed out read-only, unchanged while they stay so
+
+
 class _Issued(msgspec.Struct, gc=False):
-    """Host indices ``write`` returned, while their pages are held: the tensor, its version then,
-    its pages. Off the collector's walk (``gc=False``): the tensor and the list are the copy's own,
+    """Host indices ``write`` returned, while their pages are held: the tensor (or read-only NumPy
+    array), its version then (``_READ_ONLY`` for an array), its pages. Off the collector's walk (``gc=False``): the tensor and the list are the copy's own,
     held elsewhere too, so an entry per chunk adds no tracked object."""
 
     tensor: object
@@ -199,13 +202,13 @@ class HostOffloader:
             raise Closed("offloader is closed")
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
-        on_device = isinstance(device_indices, torch.Tensor) and not on_host(device_indices)
+        numpy_in = type(device_indices) is np.ndarray  # the manager's ids of a row in host memory
+        on_device = not numpy_in and isinstance(device_indices, torch.Tensor) and not on_host(device_indices)
         if on_device:  # never read on the host (no device -> host sync on the scheduler thread)
             check_device_indices(device_indices, self.page_size, "device indices")
             n_pages = device_indices.shape[0] // self.page_size
         else:
-            slots = as_index_tensor(device_indices, "device indices")
-            view = slots.numpy()
+            view = as_index_array(device_indices, "device indices")
             n_pages = count_pages(view, self.page_size, "device indices", self.kv.slots)
         if n_pages == 0:
             raise BadIndices("a write needs at least one page")
@@ -221,7 +224,8 @@ class HostOffloader:
             # where the copy runs: a bad chunk fails its copy (reported failed, nothing stored)
             slots, check = device_indices.to(torch.int64, copy=True), {"check_end": self.kv.slots}
         else:  # NumPy ids: the copy plan wraps them on the copy worker, not on this thread
-            slots, check = (view.copy() if slots is device_indices else view), {}
+            shared = view is device_indices if numpy_in else device_indices.dtype is torch.int64  # the caller's buffer
+            slots, check = (view.copy() if shared else view), {}
         try:
             self.engine.to_host(ack_id, self.kv, self.host, slots, pages, **check)
         except BaseException:
@@ -237,10 +241,15 @@ class HostOffloader:
             self._submitted[ack_id] = time.perf_counter()
         # page by page in the order the chunk's pages land in them (a pool that places its pages may
         # hand a consecutive set out of order); one ascending run recognised on the Python list
-        out = slots_of_pages(host_pages, self.page_size)
-        if not out.is_inference():  # an inference tensor (vLLM's worker) has no version to watch
+        if numpy_in:  # NumPy in, NumPy out: read-only host indices, no tensor made on this thread
+            out = host_slots_array(host_pages, self.page_size)
+            version = _READ_ONLY
+        else:
+            out = slots_of_pages(host_pages, self.page_size)
+            version = None if out.is_inference() else out._version  # an inference tensor (vLLM's worker) has none
+        if version is not None:
             key = id(out)
-            self._issued[key] = _Issued(out, out._version, host_pages)
+            self._issued[key] = _Issued(out, version, host_pages)
             issued_page = self._issued_page
             for p in host_pages:
                 issued_page[p] = key
@@ -250,8 +259,12 @@ class HostOffloader:
         """The pages of host indices ``write`` returned and nobody changed since (their pages still
         held), or None: any other tensor, whose values are read and checked."""
         entry = self._issued.get(id(host_indices))
-        if entry is not None and entry.tensor is host_indices and host_indices._version == entry.version:
-            return entry.pages
+        if entry is not None and entry.tensor is host_indices:
+            if entry.version == _READ_ONLY:  # NumPy host indices: unchanged while still read-only
+                if not host_indices.flags.writeable:
+                    return entry.pages
+            elif host_indices._version == entry.version:
+                return entry.pages
         return None
 
     def _rejected(self, ack_id: int, n_pages: int) -> None:

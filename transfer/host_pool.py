@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from transfer.errors import BadIndices, PinningFailed
-from transfer.indices import as_index_tensor, page_ids, page_list, slots_of_pages
+from transfer.indices import as_index_array, page_ids, page_list, slots_of_pages
 from transfer.log import get_logger
 from transfer.page_set import PageSet
 
@@ -167,7 +167,7 @@ class HostPool:
         Raises:
             BadIndices: not whole aligned pages, or outside the pool.
         """
-        return page_list(as_index_tensor(indices, "host indices").numpy(), self.page_size, "host indices", self.size)
+        return page_list(as_index_array(indices, "host indices"), self.page_size, "host indices", self.size)
 
     def pages_of(self, indices: torch.Tensor) -> torch.Tensor:
         """``page_ids`` as an int64 tensor.

@@ -16,12 +16,20 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 _NO_PAGES.flags.writeable = False
 
 
-def on_host(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values can be read on the calling thread for free: host memory. A CUDA
-    tensor's cannot (reading one waits for its stream: a device -> host sync), nor can a tensor
-    that declares itself device-resident (``device_resident = True``: the test kit's stand-in for
-    device memory on a machine without a GPU, ``lifecycle_tools.testkit.sync_trap``)."""
+def on_host(t: torch.Tensor | np.ndarray) -> bool:
+    """Whether ``t``'s values can be read on the calling thread for free: host memory (a NumPy
+    array always). A CUDA tensor's cannot (reading one waits for its stream: a device -> host
+    sync), nor can a tensor that declares itself device-resident (``device_resident = True``: the
+    test kit's stand-in for device memory on a machine without a GPU,
+    ``lifecycle_tools.testkit.sync_trap``)."""
+    if type(t) is np.ndarray:
+        return True
     return t.is_cpu and not (type(t) is not torch.Tensor and getattr(t, "device_resident", False))
+
+
+def n_ids(ids: torch.Tensor | np.ndarray) -> int:
+    """How many ids a 1-D tensor or NumPy array holds."""
+    return ids.shape[0]
 
 
 def as_tensor(ids) -> torch.Tensor:
@@ -51,6 +59,22 @@ def check_device_indices(indices: torch.Tensor, page_size: int, what: str = "ind
     _check_int_1d(indices, what)
     if indices.shape[0] % page_size:
         raise BadIndices(f"{what}: {indices.shape[0]} slots is not a whole number of pages of {page_size}")
+
+
+def as_index_array(indices: torch.Tensor | np.ndarray, what: str = "indices") -> np.ndarray:
+    """Validate host-memory slot ids (a 1-D integer NumPy array or tensor) and return them as a
+    1-D int64 NumPy array (itself or a view when already so; reads no values).
+
+    Raises:
+        BadIndices: neither a NumPy array nor a tensor, not an integer dtype, or not 1-D.
+    """
+    if type(indices) is np.ndarray:
+        if indices.dtype.kind not in "iu":
+            raise BadIndices(f"{what} must have an integer dtype, got {indices.dtype}")
+        if indices.ndim != 1:
+            raise BadIndices(f"{what} must be 1-D, got shape {indices.shape}")
+        return indices if indices.dtype == np.int64 else indices.astype(np.int64)
+    return as_index_tensor(indices, what).numpy()
 
 
 def as_index_tensor(indices: torch.Tensor, what: str = "indices") -> torch.Tensor:
@@ -90,6 +114,18 @@ def slots_of_pages(pages: torch.Tensor | np.ndarray | list[int], page_size: int,
     return torch.from_numpy((p.reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1))
 
 
+def host_slots_array(pages: list[int], page_size: int) -> np.ndarray:
+    """``slots_of_pages`` of a non-empty list of pages as a read-only int64 NumPy array (no tensor
+    made): page by page in the order given, one ascending run recognised on the list."""
+    if one_run(pages):
+        first = pages[0] * page_size
+        out = np.arange(first, first + len(pages) * page_size, dtype=np.int64)
+    else:
+        out = (np.asarray(pages, dtype=np.int64).reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1)
+    out.flags.writeable = False
+    return out
+
+
 def _run_slots(first_page: int, n: int, page_size: int) -> torch.Tensor:
     """The slots of the ``n`` pages from ``first_page`` on."""
     first = first_page * page_size
@@ -102,7 +138,7 @@ def page_ids(
     """The page ids of ``indices``, which must be whole pages, each page's slots consecutive.
 
     Args:
-        indices: 1-D integer tensor of token slots.
+        indices: 1-D integer tensor (or NumPy array) of token slots.
         page_size: slots per page.
         what: the argument's name, for error messages.
         end: when given, every slot must lie in ``0 .. end-1``.
@@ -112,7 +148,7 @@ def page_ids(
         BadIndices: not an integer 1-D tensor, length not a multiple of ``page_size``, a page not
             laid out as ``[p*page_size, ..., p*page_size + page_size - 1]``, or out of range.
     """
-    return pages_of_slots(as_index_tensor(indices, what).numpy(), page_size, what, end)
+    return pages_of_slots(as_index_array(indices, what), page_size, what, end)
 
 
 def pages_of_slots(a: np.ndarray, page_size: int, what: str = "indices", end: int | None = None) -> np.ndarray:

@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Protocol, Sequence, runtime_checkable
 
 import msgspec
+import numpy as np
 import torch
 
 
@@ -68,15 +69,21 @@ class Offloader(Protocol):
     ``lifecycle.config.offloader`` checks every method below once, at construction.
     """
 
-    def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
+    def write(self, device_indices: torch.Tensor | np.ndarray, ack_id: int) -> torch.Tensor | np.ndarray | None:
         """Enqueue a device -> host copy of the KV at ``device_indices`` (token slots).
 
         Args:
-            device_indices: int64 token-slot indices, a whole number of pages, page-aligned.
+            device_indices: int64 token-slot indices, a whole number of pages, page-aligned: a
+                1-D NumPy array when the row table is in host memory (the manager hands a host
+                row's ids over as NumPy: no tensor is made on the scheduler thread), a tensor
+                when it is on a device. The offloader never reads the caller's buffer after
+                returning (it copies what it keeps).
             ack_id: caller-chosen id, reported by ``finished_writes`` when the copy has ended.
         Returns:
-            The host token indices that will hold the copy, or None when host memory is short
-            (then nothing was enqueued and ``ack_id`` will never be reported).
+            The host token indices that will hold the copy (what the caller hands back to
+            ``write_storage`` and ``free_host``; ``HostOffloader``: a read-only NumPy array for
+            NumPy ids, a tensor for a tensor), or None when host memory is short (then nothing
+            was enqueued and ``ack_id`` will never be reported).
         """
         ...
 
@@ -92,7 +99,7 @@ class Offloader(Protocol):
         """Enqueue host -> storage of ``len(page_hashes)`` pages held at ``host_indices``.
 
         Args:
-            host_indices: host token indices returned by ``write``.
+            host_indices: host token indices returned by ``write`` (a tensor or NumPy array).
             tokens: the token ids those pages hold (``len == pages * page_size``).
             page_hashes: the pages' chain names, fixed by the caller when the chunk was enqueued.
             parent_hash: the page before the first one (KV events link pages to it;

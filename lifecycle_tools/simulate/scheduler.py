@@ -292,7 +292,7 @@ class Simulator:
         rep.rows_leaked = rows0 - self.rows.available_size()
         missing = (host0 - self.stack.host_pool.available_size()) // self.ps
         if rep.storage_ops_cut_off:  # pages the cut-off writes still hold now (freed if they ever end)
-            rep.host_pages_cut_off = sum(op.host.numel() for op in self.mgr._ledger.storage_ops.values()) // self.ps
+            rep.host_pages_cut_off = sum(op.host.shape[0] for op in self.mgr._ledger.storage_ops.values()) // self.ps
         rep.host_pages_leaked = missing - rep.host_pages_cut_off
         ps.waiting.clear()
         ps.running.clear()

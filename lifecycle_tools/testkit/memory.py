@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from transfer.offloader import EMPTY_REPORT, WriteReport
@@ -66,7 +67,9 @@ class InMemoryOffloader:
     def host_free_pages(self) -> int:
         return len(self._free_pages)
 
-    def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
+    def write(self, device_indices: torch.Tensor | np.ndarray, ack_id: int) -> torch.Tensor | None:
+        if type(device_indices) is np.ndarray:  # a host row's ids, as the manager hands them over
+            device_indices = torch.from_numpy(device_indices)
         n = device_indices.numel()
         if n % self.page_size:
             raise OffloaderMisuse(f"write of {n} slots is not a whole number of pages")

@@ -36,7 +36,7 @@ class Offloader:
 
     def write(self, device_indices, ack_id):
         self.pending.append(ack_id)
-        return self.host[: device_indices.numel()]
+        return self.host[: device_indices.shape[0]]
 
     def land(self):
         self.landed, self.pending = self.landed + self.pending, []

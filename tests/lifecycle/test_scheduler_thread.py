@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -89,3 +91,45 @@ def _landed(stack) -> bool:
 
 def _names(mgr, reqs) -> list[str]:
     return [mgr.progress_of(r).last_hash for r in reqs]
+
+
+def test_a_host_rows_chunk_makes_no_torch_call_on_this_thread_from_enqueue_to_stored():
+    """A row in host memory: the manager hands ``write`` the chunk's slot ids as NumPy, gets its host
+    indices back as a read-only NumPy array, and hands those to ``write_storage`` and ``free_host``:
+    from the enqueue to the host pages freed after storage, this thread makes no torch call (a tensor
+    made or read costs 10-25 µs on cold caches; docs/architecture.md, "The GIL on the scheduler
+    thread"). Two rounds of two chunks; the second is recorded (the first made the row table's
+    NumPy view, once per table)."""
+    stack = build_stack(2, 2, 8, torch.float16, PS, 256, 256, 4, 64)
+    mgr = DecodeOffloadManager.from_stack(stack)
+    try:
+        reqs = [_admit(stack, f"r{i}", 2 * PS + 1, 40) for i in range(2)]
+        for req in reqs:
+            assert mgr.offload_kv_cache(req) is False
+        for round_ in range(2):
+            calls = TorchCalls()
+            with calls:
+                for req in reqs:
+                    for t in range(PS):
+                        req.decode(7001 + t)
+                    assert mgr.offload_kv_cache(req) is True
+            chunks = list(mgr._ledger.ongoing.values())
+            assert [type(c.indices) for c in chunks] == [np.ndarray] * 2
+            assert all(type(c.host) is np.ndarray and not c.host.flags.writeable for c in chunks)
+            _until(lambda: _landed(stack), "the copies")
+            with calls:
+                mgr.check_offload_progress()
+            _until(lambda: mgr.pending().unsettled == 2, "both storage ops reported")
+            free_before = stack.host_pool.available_size()
+            with calls:
+                mgr.check_offload_progress()  # both ops' host pages freed in one call
+            assert stack.host_pool.available_size() == free_before + 2 * PS
+            assert stack.storage.batch_exists(_names(mgr, reqs)) == 2
+        assert calls.names == []
+        for req in reqs:
+            req.finish()
+            mgr.finalize_release_on_finish(req)
+        assert mgr.idle() and all(mgr.state_of(r).name == "RELEASED" for r in reqs)
+        mgr.shutdown()
+    finally:
+        stack.close()

@@ -1,6 +1,7 @@
 import errno
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -197,9 +198,11 @@ def test_backpressure_interval_must_not_be_negative():
         HostOffloader(kv, host, MemoryStorage("_m_0_1", host.page_nbytes), backpressure_log_interval_s=-1)
 
 
-def test_the_copy_reads_the_slots_given_at_write_time_not_a_reused_index_buffer():
-    """The plan is built on the copy worker, later: a caller reusing its index tensor after
-    ``write`` returned must not redirect the copy (regression: int64 CPU indices were aliased)."""
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_the_copy_reads_the_slots_given_at_write_time_not_a_reused_index_buffer(kind):
+    """The plan is built on the copy worker, later: a caller reusing its index tensor (or NumPy
+    array, as the manager hands a host row's ids over) after ``write`` returned must not redirect
+    the copy (regression: int64 CPU indices were aliased)."""
     gate = threading.Event()
 
     class Late(CpuCopyEngine):  # plans and runs the copy on the worker once the gate opens
@@ -215,9 +218,9 @@ def test_the_copy_reads_the_slots_given_at_write_time_not_a_reused_index_buffer(
     eng = Late(threads=1)
     off, kv, host, _ = make(engine=eng)
     kv.write(torch.arange(64), synthetic_kv(kv, 3, torch.arange(64)))
-    idx = torch.arange(8, 16)
+    idx = torch.arange(8, 16) if kind == "tensor" else np.arange(8, 16)
     h = off.write(idx, 1)
-    idx.copy_(torch.arange(40, 48))  # the caller reuses its buffer for something else
+    idx[:] = torch.arange(40, 48) if kind == "tensor" else np.arange(40, 48)  # the caller reuses its buffer
     gate.set()
     assert drain(polls(off).ended, 1) == [1]
     want = kv.read(torch.arange(8, 16))  # [kinds, layers, 8, heads, dim]
@@ -957,4 +960,70 @@ def test_a_list_with_one_tensor_that_cannot_be_freed_frees_nothing(bad):
     if bad != "freed_before":
         off.free_host(h2)
     assert host.available_size() == 32
+    off.close()
+
+
+# -- a host row's ids as NumPy (what the manager hands over): NumPy host indices back, read-only ---
+def test_numpy_slot_ids_give_read_only_numpy_host_indices_read_from_what_was_remembered():
+    """NumPy in, NumPy out: the host indices are a read-only int64 array, page by page as for a
+    tensor; ``write_storage`` and ``free_host`` read their pages from what ``write`` remembered."""
+    off, kv, host, store = make()
+    slots = np.arange(8, 16)
+    kv.write(torch.from_numpy(slots), synthetic_kv(kv, 1, torch.arange(8)))
+    h = off.write(slots, ack_id=1)
+    assert type(h) is np.ndarray and h.dtype == np.int64 and not h.flags.writeable
+    assert h.tolist() == list(range(0, 8))
+    with pytest.raises(ValueError):
+        h[0] = 5  # read-only: the caller cannot change what the offloader remembered
+    assert drain(polls(off).ended, 1) == [1]
+    tokens, hashes = list(range(8)), hashing.page_hashes(list(range(8)), PS)
+    op = off.write_storage(h, tokens, hashes)
+    assert drain(off.finished_storage, 1) == [op] and store.batch_exists(hashes) == 2
+    off.free_host([h])
+    with pytest.raises(DoubleFree):
+        off.free_host(h)
+    assert host.available_size() == 32 and off.idle()
+    off.close()
+
+
+def test_numpy_host_indices_made_writeable_and_changed_are_checked_by_their_values():
+    """An array whose caller turned it writeable again is no longer trusted: its values are
+    checked as any tensor's, and a changed one refused with nothing changed."""
+    off, kv, host, store = make()
+    slots = np.arange(8, 16)
+    kv.write(torch.from_numpy(slots), synthetic_kv(kv, 1, torch.arange(8)))
+    h = off.write(slots, ack_id=1)
+    drain(polls(off).ended, 1)
+    h.flags.writeable = True
+    h += 1  # no longer whole pages
+    tokens, hashes = list(range(8)), hashing.page_hashes(list(range(8)), PS)
+    free_before = host.available_size()
+    with pytest.raises(BadIndices):
+        off.write_storage(h, tokens, hashes)
+    with pytest.raises(BadIndices):
+        off.free_host(h)
+    assert host.available_size() == free_before and off.stats().storage_ops == 0
+    h -= 1  # the same values again: checked by value, and valid
+    op = off.write_storage(h, tokens, hashes)
+    assert drain(off.finished_storage, 1) == [op]
+    off.free_host(h)
+    assert host.available_size() == free_before + 8
+    off.close()
+
+
+@pytest.mark.parametrize("bad,match", [
+    (np.arange(8, 16, dtype=np.float64), "integer dtype"),
+    (np.arange(8, 16).reshape(2, 4), "1-D"),
+    (np.arange(9, 13), "page"),
+    (np.arange(64, 68), "0..63"),
+])
+def test_numpy_slot_ids_are_checked_as_tensors_are_and_a_bad_one_changes_nothing(bad, match):
+    off, kv, host, _ = make()
+    with pytest.raises(BadIndices, match=match):
+        off.write(bad, 1)
+    assert host.available_size() == 32 and off.idle() and off.stats().writes == 0
+    h = off.write(np.arange(8, 12, dtype=np.int32), 1)  # another integer dtype: converted
+    assert h.tolist() == [0, 1, 2, 3]
+    drain(polls(off).ended, 1)
+    off.free_host(h)
     off.close()

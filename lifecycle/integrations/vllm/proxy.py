@@ -21,7 +21,7 @@ import torch
 
 from lifecycle.integrations.vllm.jobs import Free, Report, Store, Write
 from transfer.errors import BadIndices, Closed, UnknownId
-from transfer.indices import as_index_tensor, pages_of_slots, slots_of_pages
+from transfer.indices import as_index_array, as_index_tensor, pages_of_slots, slots_of_pages
 from transfer.offloader import EMPTY_REPORT, WriteReport
 from transfer.page_set import PageSet
 
@@ -67,13 +67,13 @@ class ProxyOffloader:
         self.rejected = 0
 
     # --- the Offloader protocol (the manager's calls) --------------------------------------------
-    def write(self, device_indices: torch.Tensor, ack_id: int) -> torch.Tensor | None:
+    def write(self, device_indices: torch.Tensor | np.ndarray, ack_id: int) -> torch.Tensor | None:
         if self._closed:
             raise Closed("offloader is closed")
         if ack_id in self._writes:
             raise UnknownId(f"ack id {ack_id} is already pending")
-        slots = as_index_tensor(device_indices, "device indices")
-        blocks = pages_of_slots(slots.numpy(), self.page_size, "device indices", self.kv.slots)
+        blocks = pages_of_slots(as_index_array(device_indices, "device indices"), self.page_size, "device indices",
+                                self.kv.slots)
         if blocks.shape[0] == 0:
             raise BadIndices("a write needs at least one page")
         pages = self.pages.alloc(blocks.shape[0])
