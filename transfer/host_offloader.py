@@ -85,8 +85,9 @@ _READ_ONLY = -1  # ``_Issued.version`` of NumPy host indices: handed out read-on
 
 class _Issued(msgspec.Struct, gc=False):
     """Host indices ``write`` returned, while their pages are held: the tensor (or read-only NumPy
-    array), its version then (``_READ_ONLY`` for an array), its pages. Off the collector's walk (``gc=False``): the tensor and the list are the copy's own,
-    held elsewhere too, so an entry per chunk adds no tracked object."""
+    array), its version then (``_READ_ONLY`` for an array), its pages. Off the collector's walk
+    (``gc=False``): the tensor and the list are the copy's own, held elsewhere too, so an entry per
+    chunk adds no tracked object."""
 
     tensor: object
     version: int
@@ -503,15 +504,10 @@ class HostOffloader:
             BadIndices: not whole pages of the pool. HostPagesBusy: a copy or storage op still
             uses a page. DoubleFree / NotAllocated: pages not held. On any error nothing changes.
         """
-        if type(host_indices) is list:
-            plist = []
-            for t in host_indices:
-                pages = self._issued_pages(t)
-                plist += self.host.page_list(t) if pages is None else pages
-        else:
-            plist = self._issued_pages(host_indices)
-            if plist is None:  # a tensor ``write`` did not return, or one changed since: checked by value
-                plist = self.host.page_list(host_indices)
+        plist = []
+        for t in host_indices if type(host_indices) is list else (host_indices,):
+            pages = self._issued_pages(t)  # None: not what ``write`` returned, or changed since: checked by value
+            plist += self.host.page_list(t) if pages is None else pages
         if not (self._landing.isdisjoint(plist) and self._busy.keys().isdisjoint(plist)):
             raise HostPagesBusy("host pages are still used by an in-flight copy or storage op")
         self.host.free_pages(plist)

@@ -27,11 +27,6 @@ def on_host(t: torch.Tensor | np.ndarray) -> bool:
     return t.is_cpu and not (type(t) is not torch.Tensor and getattr(t, "device_resident", False))
 
 
-def n_ids(ids: torch.Tensor | np.ndarray) -> int:
-    """How many ids a 1-D tensor or NumPy array holds."""
-    return ids.shape[0]
-
-
 def as_tensor(ids) -> torch.Tensor:
     """``ids`` as a tensor: a NumPy array wrapped (no copy), a tensor as it is. A copy plan takes
     either, so the scheduler thread hands the copy worker NumPy ids and the wrapping is done there."""
@@ -97,7 +92,13 @@ def one_run(ids: list[int]) -> bool:
 
 def slots_of_pages(pages: torch.Tensor | np.ndarray | list[int], page_size: int,
                    ascending: bool = False) -> torch.Tensor:
-    """Every token slot of ``pages`` (int64 tensor), page by page in order.
+    """Every token slot of ``pages`` (int64 tensor), page by page in order: ``slots_array`` wrapped."""
+    return torch.from_numpy(slots_array(pages, page_size, ascending))
+
+
+def slots_array(pages: torch.Tensor | np.ndarray | list[int], page_size: int,
+                ascending: bool = False) -> np.ndarray:
+    """Every token slot of ``pages`` (int64 NumPy), page by page in order.
 
     ``ascending=True`` promises the ids strictly increase (what ``PageSet.alloc`` returns), so one
     run of consecutive pages is recognised from its ends alone. A list of ints (pages a caller
@@ -111,25 +112,21 @@ def slots_of_pages(pages: torch.Tensor | np.ndarray | list[int], page_size: int,
     n = p.shape[0]
     if n and int(p[-1]) - int(p[0]) == n - 1 and (ascending or n < 3 or bool((p[1:] > p[:-1]).all())):
         return _run_slots(int(p[0]), n, page_size)  # one run of consecutive pages (what the pools hand out)
-    return torch.from_numpy((p.reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1))
+    return (p.reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1)
 
 
 def host_slots_array(pages: list[int], page_size: int) -> np.ndarray:
-    """``slots_of_pages`` of a non-empty list of pages as a read-only int64 NumPy array (no tensor
-    made): page by page in the order given, one ascending run recognised on the list."""
-    if one_run(pages):
-        first = pages[0] * page_size
-        out = np.arange(first, first + len(pages) * page_size, dtype=np.int64)
-    else:
-        out = (np.asarray(pages, dtype=np.int64).reshape(-1, 1) * page_size + np.arange(page_size)).reshape(-1)
+    """``slots_array`` of a non-empty list of pages, read-only (host indices the offloader hands
+    out and trusts while they stay so)."""
+    out = slots_array(pages, page_size)
     out.flags.writeable = False
     return out
 
 
-def _run_slots(first_page: int, n: int, page_size: int) -> torch.Tensor:
+def _run_slots(first_page: int, n: int, page_size: int) -> np.ndarray:
     """The slots of the ``n`` pages from ``first_page`` on."""
     first = first_page * page_size
-    return torch.from_numpy(np.arange(first, first + n * page_size, dtype=np.int64))
+    return np.arange(first, first + n * page_size, dtype=np.int64)
 
 
 def page_ids(

@@ -799,28 +799,34 @@ def test_one_poll_reports_landed_failed_and_expired_in_a_typed_report():
 
 
 # -- host indices ``write`` returned: their pages are remembered, not re-derived from the values --
-def _landed_chunk(off, kv, ack):
-    slots = torch.arange(8, 16)
-    kv.write(slots, synthetic_kv(kv, 1, torch.arange(8)))
-    h = off.write(slots, ack_id=ack)
+def _landed_chunk(off, kv, ack, first_slot=8, kind="tensor"):
+    """A copy of the two device pages from ``first_slot`` on (slot ids as a tensor or as NumPy),
+    landed; returns its host indices."""
+    slots = torch.arange(first_slot, first_slot + 8)
+    kv.write(slots, synthetic_kv(kv, ack, torch.arange(8)))
+    h = off.write(slots if kind == "tensor" else slots.numpy(), ack_id=ack)
     assert drain(polls(off).ended, 1) == [ack]
     return h
 
 
-def test_host_indices_changed_in_place_after_write_are_checked_by_their_values():
-    """An in-place change of the tensor ``write`` returned is seen (its version moved): the values
-    are checked as for any tensor, and nothing changes."""
+@pytest.mark.parametrize("kind", ["tensor", "numpy"])
+def test_host_indices_changed_in_place_after_write_are_checked_by_their_values(kind):
+    """An in-place change of the host indices ``write`` returned is seen (a tensor's version moved;
+    a NumPy array's caller turned it writeable again to change it): the values are checked as for
+    any tensor, and a changed one refused with nothing changed."""
     off, kv, host, store = make()
-    h = _landed_chunk(off, kv, 1)
+    h = _landed_chunk(off, kv, 1, kind=kind)
     tokens, hashes = list(range(8)), hashing.page_hashes(list(range(8)), PS)
-    h.add_(1)  # no longer whole pages
+    if kind == "numpy":
+        h.flags.writeable = True
+    h += 1  # in place: no longer whole pages
     free_before = host.available_size()
     with pytest.raises(BadIndices):
         off.write_storage(h, tokens, hashes)
     with pytest.raises(BadIndices):
         off.free_host(h)
     assert host.available_size() == free_before and off.stats().storage_ops == 0
-    h.sub_(1)  # the same values again: still checked by value (version moved), and valid
+    h -= 1  # the same values again: still checked by value (version moved, or writeable), and valid
     op = off.write_storage(h, tokens, hashes)
     assert drain(off.finished_storage, 1) == [op]
     off.free_host(h)
@@ -903,20 +909,11 @@ def test_host_indices_follow_the_order_a_placing_pool_hands_its_pages_out_in():
     off.close()
 
 
-def _landed_at(off, kv, ack, first_slot):
-    """A copy of the two device pages from ``first_slot`` on, landed; returns its host indices."""
-    slots = torch.arange(first_slot, first_slot + 8)
-    kv.write(slots, synthetic_kv(kv, ack, torch.arange(8)))
-    h = off.write(slots, ack_id=ack)
-    assert drain(polls(off).ended, 1) == [ack]
-    return h
-
-
 def test_a_list_of_host_indices_frees_every_tensors_pages_in_one_call():
     """Several ops' host indices in one ``free_host`` call (what the manager does for the storage
     ops a progress check saw finish): each tensor's pages go back, as if freed one by one."""
     off, kv, host, store = make()
-    h1, h2, h3 = (_landed_at(off, kv, ack, first) for ack, first in ((1, 0), (2, 8), (3, 16)))
+    h1, h2, h3 = (_landed_chunk(off, kv, ack, first) for ack, first in ((1, 0), (2, 8), (3, 16)))
     free_before = host.available_size()
     off.free_host([h1, h2.clone()])  # one tensor ``write`` returned, one by value
     assert host.available_size() == free_before + 16
@@ -935,7 +932,7 @@ def test_a_list_with_one_tensor_that_cannot_be_freed_frees_nothing(bad):
     """All or none: one tensor of the list refused (not whole pages, pages already free, pages a
     storage op still reads) and no page of any tensor in it goes back."""
     off, kv, host, store = make()
-    h1, h2 = _landed_at(off, kv, 1, 0), _landed_at(off, kv, 2, 8)
+    h1, h2 = _landed_chunk(off, kv, 1, 0), _landed_chunk(off, kv, 2, 8)
     if bad == "not_whole_pages":
         other, error = h2[1:], BadIndices
     elif bad == "freed_before":
@@ -983,31 +980,6 @@ def test_numpy_slot_ids_give_read_only_numpy_host_indices_read_from_what_was_rem
     with pytest.raises(DoubleFree):
         off.free_host(h)
     assert host.available_size() == 32 and off.idle()
-    off.close()
-
-
-def test_numpy_host_indices_made_writeable_and_changed_are_checked_by_their_values():
-    """An array whose caller turned it writeable again is no longer trusted: its values are
-    checked as any tensor's, and a changed one refused with nothing changed."""
-    off, kv, host, store = make()
-    slots = np.arange(8, 16)
-    kv.write(torch.from_numpy(slots), synthetic_kv(kv, 1, torch.arange(8)))
-    h = off.write(slots, ack_id=1)
-    drain(polls(off).ended, 1)
-    h.flags.writeable = True
-    h += 1  # no longer whole pages
-    tokens, hashes = list(range(8)), hashing.page_hashes(list(range(8)), PS)
-    free_before = host.available_size()
-    with pytest.raises(BadIndices):
-        off.write_storage(h, tokens, hashes)
-    with pytest.raises(BadIndices):
-        off.free_host(h)
-    assert host.available_size() == free_before and off.stats().storage_ops == 0
-    h -= 1  # the same values again: checked by value, and valid
-    op = off.write_storage(h, tokens, hashes)
-    assert drain(off.finished_storage, 1) == [op]
-    off.free_host(h)
-    assert host.available_size() == free_before + 8
     off.close()
 
 
