@@ -75,7 +75,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from bench.perfkit import (  # noqa: E402
-    clock_overhead_ns, fmt, load_line, machine, parse_configs, percentile, ratio_text, ratios, schedule, summarize,
+    clock_overhead_ns, finish, fmt, load_line, machine, parse_configs, percentile, ratio_text, ratios, schedule, summarize,
 )
 from lifecycle_tools.testkit.sglang_doubles import grow_row  # noqa: E402
 
@@ -595,11 +595,7 @@ def main(argv=None) -> int:
                       f"load {r['load']:.2f})", flush=True)
     finally:
         env.close()
-    report(results, args.pairs)
-    print(f"{load_line()} at end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({f"{n}/{p}": v for (n, p), v in results.items()}, f, indent=1)
+    finish(report, results, args.pairs, args.json)
     return 0
 
 

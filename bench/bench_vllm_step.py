@@ -75,7 +75,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
 from bench.perfkit import (  # noqa: E402
-    clock_overhead_ns, fmt, load_line, machine, parse_configs, percentile, ratio_text, ratios, schedule, summarize,
+    clock_overhead_ns, finish, fmt, load_line, machine, parse_configs, percentile, ratio_text, ratios, schedule, summarize,
 )
 
 NONE, OFFLOAD, OURS = "none", "offload", "ours"
@@ -624,11 +624,7 @@ def main(argv=None) -> int:
                       f"(load {r['load']:.2f})", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(results, args.triples)
-    print(f"{load_line()} at end")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({f"{n}/{b}": v for (n, b), v in results.items()}, f, indent=1)
+    finish(report, results, args.triples, args.json)
     return 0
 
 

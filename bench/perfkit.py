@@ -7,6 +7,7 @@ reports medians. No benchmark result is ever asserted in a test.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -159,3 +160,13 @@ def load_line() -> str:
     load = os.getloadavg()
     return f"load avg {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min) on {os.cpu_count()} CPUs"
 
+
+
+def finish(report, results: dict, rounds: int, json_path: str | None) -> None:
+    """The end of a paired step bench (``bench_sglang_step``, ``bench_vllm_step``): ``report(results,
+    rounds)``, the load line, and, when asked, every run's figures as JSON keyed ``RUNNING/SIZE``."""
+    report(results, rounds)
+    print(f"{load_line()} at end")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({f"{n}/{p}": v for (n, p), v in results.items()}, f, indent=1)

@@ -32,7 +32,7 @@ import torch
 
 from lifecycle.errors import InvalidSlots, LifecycleError
 from transfer.gather import check_chunk_on_device
-from transfer.indices import on_host
+from transfer.indices import on_host, one_run
 
 
 _SMALL = 256  # ids: at most this many take the byte-compare paths (cheaper than a NumPy reduction)
@@ -328,7 +328,7 @@ def check_slots(pools, ledger, rid, row: int, ranges, a: np.ndarray, verb: str, 
         lo, hi = ids[0], ids[-1]
     else:
         lo, hi = int(a[0]), int(a[-1])
-    if ids is not None and hi - lo + 1 == n and lo >= 0 and ids == list(range(lo, hi + 1)):
+    if ids is not None and lo >= 0 and one_run(ids):
         s = a  # one run of consecutive ids, ascending (a decode chunk's usual row): no sort, no reduction
     else:
         s = a if n == 1 or (a[1:] > a[:-1]).all() else _sorted_distinct(a)

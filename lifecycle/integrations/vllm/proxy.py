@@ -144,13 +144,8 @@ class ProxyOffloader:
             if ack in self._writes:
                 self._failed_any.add(ack)
         for ack, n in report.ended.items():
-            if ack not in self._writes:
+            if ack not in self._writes or not self._every_rank(self._ended, ack, n):
                 continue
-            seen = self._ended.get(ack, 0) + n
-            if seen < self.world:
-                self._ended[ack] = seen
-                continue
-            self._ended.pop(ack, None)
             self._writes.pop(ack)
             self._expired_told.discard(ack)
             if ack in self._failed_any:
@@ -162,14 +157,18 @@ class ProxyOffloader:
             if op in self._ops_open:
                 self._store_failed.add(op)
         for op, n in report.stored.items():
-            if op not in self._ops_open:
-                continue
-            seen = self._ops_open[op] + n
-            if seen < self.world:
-                self._ops_open[op] = seen
-            else:
-                del self._ops_open[op]
+            if op in self._ops_open and self._every_rank(self._ops_open, op, n):
                 self._stored.append(op)
+
+    def _every_rank(self, counts: dict, key: int, n: int) -> bool:
+        """Count ``n`` more ranks reporting ``key`` ended; True (and ``key`` dropped from ``counts``)
+        once every rank has."""
+        seen = counts.get(key, 0) + n
+        if seen < self.world:
+            counts[key] = seen
+            return False
+        counts.pop(key, None)
+        return True
 
     def in_flight(self, req_id: str) -> list[int]:
         """Acks of ``req_id``'s copies not yet reported ended by every rank."""
